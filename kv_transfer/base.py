@@ -1,0 +1,88 @@
+"""The two abstract sides of a KV transfer.
+
+Sender (prefill engine): exposes its KV pool and, per request, the blocks it
+holds for that request (``expect``). Its per-request :class:`Transfer` turns
+DONE when the receiver confirms it has the blocks (the moment the prefill side
+may free them) and FAILED at the deadline, on abort, or when the receiver
+vanishes mid-read.
+
+Receiver (decode engine): ``read`` pulls given remote block ids into given
+local block ids; its :class:`Transfer` turns DONE once the bytes are in place
+and the sender has confirmed it still held the blocks.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional, Sequence
+
+from .layout import KVLayout
+from .memory import KVRegion
+from .transfer import Transfer
+
+
+class KVSender(abc.ABC):
+    """Prefill side: registers KV memory, serves reads of leased blocks."""
+
+    backend_name: str = ""
+    layout: KVLayout
+    region: KVRegion
+
+    @abc.abstractmethod
+    def peer_info(self) -> dict[str, Any]:
+        """JSON-able address info a receiver needs to read from this sender."""
+
+    def agent_metadata(self) -> dict[str, Any]:
+        """Alias of :meth:`peer_info` (what goes into the KV handle)."""
+        return self.peer_info()
+
+    @abc.abstractmethod
+    def expect(self, transfer_id: str, block_ids: Sequence[int],
+               timeout_s: Optional[float] = None) -> Transfer:
+        """Expose ``block_ids`` for ``transfer_id`` until read, aborted or expired."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters for leak checks: ``in_flight``, ``registered_regions``, ``bytes_moved``, ..."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Abort everything, close sockets, deregister memory. Idempotent."""
+
+    def __enter__(self) -> "KVSender":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: reads remote blocks into local blocks."""
+
+    backend_name: str = ""
+    layout: KVLayout
+    region: KVRegion
+
+    @abc.abstractmethod
+    def read(self, peer_info: dict[str, Any], transfer_id: str,
+             remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+             timeout_s: Optional[float] = None) -> Transfer:
+        """Start pulling ``remote_block_ids`` into ``local_block_ids``; returns at once.
+
+        Pass only the blocks this engine lacks; an empty list still tells the
+        sender it may free the request's blocks.
+        """
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters for leak checks: ``in_flight``, ``registered_regions``, ``bytes_moved``, ..."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Abort everything, close sockets, deregister memory. Idempotent."""
+
+    def __enter__(self) -> "KVReceiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

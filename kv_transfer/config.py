@@ -1,0 +1,58 @@
+"""Configuration of a kv_transfer sender or receiver."""
+
+from __future__ import annotations
+
+import dataclasses
+
+BACKENDS = ("auto", "nixl", "tcp")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTransferConfig:
+    """Settings shared by both sides; validated on construction."""
+
+    backend: str = "auto"
+    """``"auto"`` (NIXL if it imports and a self-test works, else TCP), ``"nixl"`` or ``"tcp"``."""
+    host: str = "127.0.0.1"
+    """Address the sender's control listener binds to."""
+    port: int = 0
+    """Port of the sender's control listener; 0 picks a free one."""
+    advertise_host: str | None = None
+    """Host written into the peer info handed to receivers (default: ``host``)."""
+    default_timeout_s: float = 30.0
+    """Deadline of a transfer when the caller gives none (seconds from creation)."""
+    connect_timeout_s: float = 5.0
+    """Cap on connecting + handshaking with a peer."""
+    abort_wait_s: float = 2.0
+    """How long ``abort()`` waits for a backend thread to stop touching the blocks."""
+    socket_buffer_bytes: int = 4 << 20
+    """SO_SNDBUF / SO_RCVBUF asked for on data sockets."""
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    """NIXL backend plugins to create in the agent."""
+    nixl_progress_thread: bool = False
+    """Let NIXL run its own progress thread (off: progress on ``check_xfer_state``)."""
+    nixl_self_test: bool = True
+    """With ``backend="auto"``, run a loopback NIXL transfer before choosing NIXL."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not self.host:
+            raise ValueError("host must be non-empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")
+        for name in ("default_timeout_s", "connect_timeout_s", "abort_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.socket_buffer_bytes < 4096:
+            raise ValueError("socket_buffer_bytes must be >= 4096")
+        if not self.nixl_backends:
+            raise ValueError("nixl_backends must name at least one backend")
+        object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))
+
+    @property
+    def public_host(self) -> str:
+        """Host receivers should connect to."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host

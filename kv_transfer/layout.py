@@ -1,0 +1,88 @@
+"""KV layout descriptor and the compatibility hash used in the handshake.
+
+The engine keeps one contiguous tensor ``kv_cache`` of shape
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
+("block_major"): one block (all layers, K and V) is one contiguous byte range,
+so a transfer is one descriptor per block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+#: Wire protocol version; bump on any incompatible change of the messages.
+PROTOCOL_VERSION = 1
+
+#: Bytes per element for the dtypes we accept.
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
+
+LAYOUTS = ("block_major",)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """What both ends must agree on before any byte moves."""
+
+    model_id: str
+    """Model identity (name or path + revision); different weights give different KV."""
+    dtype: str
+    """Element type name, e.g. ``"float32"`` or ``"bfloat16"``."""
+    block_size: int
+    """Tokens per KV block."""
+    num_layers: int
+    """Transformer layers."""
+    num_kv_heads: int
+    """KV heads held by this engine (after any tensor-parallel split)."""
+    head_dim: int
+    """Dimension of one head."""
+    layout: str = "block_major"
+    """Memory layout name; only ``"block_major"`` is defined."""
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must be a non-empty string")
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"dtype {self.dtype!r} not one of {sorted(DTYPE_ITEMSIZE)}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} not one of {LAYOUTS}")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block (all layers, K and V)."""
+        return (self.num_layers * 2 * self.block_size * self.num_kv_heads
+                * self.head_dim * self.itemsize)
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of a ``kv_cache`` tensor with ``num_blocks`` blocks."""
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict:
+        """Plain dict (JSON-able)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KVLayout":
+        """Inverse of :meth:`to_dict`."""
+        return cls(**data)
+
+    def compat_hash(self) -> str:
+        """Stable hex digest of every field (and the protocol version)."""
+        canon = json.dumps({"v": PROTOCOL_VERSION, **self.to_dict()}, sort_keys=True)
+        return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+    def describe_mismatch(self, other: "KVLayout") -> str:
+        """Human-readable list of the fields that differ from ``other``."""
+        diffs = [f"{k}: ours={v!r} peer={getattr(other, k)!r}"
+                 for k, v in self.to_dict().items() if getattr(other, k) != v]
+        return "; ".join(diffs) or "no field differs (hash algorithm mismatch?)"

@@ -1,0 +1,120 @@
+"""A view of an engine's KV memory as numbered, equally sized byte ranges.
+
+Accepts a torch tensor (CPU or CUDA), a numpy array, or any writable buffer
+(bytearray, mmap, ...) holding ``num_blocks * layout.block_nbytes`` bytes.
+No data is copied: block ranges are memoryviews over the original memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from .layout import KVLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRegion:
+    """The KV pool of one engine: base address, block size and device."""
+
+    owner: Any
+    """The tensor/array/buffer; kept referenced so the memory stays alive."""
+    layout: KVLayout
+    addr: int
+    nbytes: int
+    num_blocks: int
+    device: str
+    """``"cpu"`` or ``"cuda"``."""
+    device_id: int
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes per block."""
+        return self.layout.block_nbytes
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when the blocks live in GPU memory."""
+        return self.device == "cuda"
+
+    @classmethod
+    def from_buffer(cls, buf: Any, layout: KVLayout) -> "KVRegion":
+        """Wrap ``buf`` after checking its shape, dtype and contiguity."""
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(buf, torch.Tensor):
+            return cls._from_torch(buf, layout)
+        if not isinstance(buf, np.ndarray):
+            buf = np.frombuffer(buf, dtype=np.uint8)  # raises on non-buffers
+            if buf.nbytes % layout.block_nbytes:
+                raise ValueError(f"buffer of {buf.nbytes} bytes is not a whole number of "
+                                 f"{layout.block_nbytes}-byte blocks")
+            num_blocks = buf.nbytes // layout.block_nbytes
+        else:
+            if buf.ndim != 6 or tuple(buf.shape[1:]) != layout.shape(0)[1:]:
+                raise ValueError(f"array shape {buf.shape} does not match layout "
+                                 f"{layout.shape(buf.shape[0] if buf.ndim else 0)}")
+            if buf.dtype.itemsize != layout.itemsize:
+                raise ValueError(f"array itemsize {buf.dtype.itemsize} != layout dtype "
+                                 f"{layout.dtype} ({layout.itemsize} bytes)")
+            num_blocks = buf.shape[0]
+        if not buf.flags["C_CONTIGUOUS"]:
+            raise ValueError("KV buffer must be C-contiguous")
+        return cls(buf, layout, int(buf.ctypes.data), int(buf.nbytes), int(num_blocks), "cpu", 0)
+
+    @classmethod
+    def _from_torch(cls, t: Any, layout: KVLayout) -> "KVRegion":
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype != layout.dtype:
+            raise ValueError(f"tensor dtype {dtype} != layout dtype {layout.dtype}")
+        if t.dim() != 6 or tuple(t.shape[1:]) != layout.shape(0)[1:]:
+            raise ValueError(f"tensor shape {tuple(t.shape)} does not match layout "
+                             f"[num_blocks, {', '.join(map(str, layout.shape(0)[1:]))}]")
+        if not t.is_contiguous():
+            raise ValueError("kv_cache tensor must be contiguous")
+        device = "cuda" if t.is_cuda else "cpu"
+        if device == "cpu" and t.device.type != "cpu":
+            raise ValueError(f"unsupported device {t.device}")
+        return cls(t, layout, int(t.data_ptr()), int(t.numel() * t.element_size()),
+                   int(t.shape[0]), device, int(t.device.index or 0))
+
+    def block_addr(self, block_id: int) -> int:
+        """Address of block ``block_id``."""
+        return self.addr + block_id * self.block_nbytes
+
+    def check_ids(self, block_ids: Sequence[int], what: str) -> list[int]:
+        """Validate ids (ints in range, no duplicates) and return them as a list."""
+        ids = [int(b) for b in block_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{what}: duplicate block ids")
+        for b in ids:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"{what}: block id {b} out of range [0, {self.num_blocks})")
+        return ids
+
+    def memview(self) -> memoryview:
+        """Writable byte view of the whole region (CPU only)."""
+        if self.is_cuda:
+            raise ValueError("no host memoryview of CUDA memory")
+        arr = (ctypes.c_ubyte * self.nbytes).from_address(self.addr)
+        return memoryview(arr).cast("B")
+
+    def block_views(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """Memoryviews of the blocks in order, runs of consecutive ids merged."""
+        mv = self.memview()
+        bs = self.block_nbytes
+        views: list[memoryview] = []
+        start = prev = None
+        for b in block_ids:
+            if prev is not None and b == prev + 1:
+                prev = b
+                continue
+            if start is not None:
+                views.append(mv[start * bs:(prev + 1) * bs])
+            start = prev = b
+        if start is not None:
+            views.append(mv[start * bs:(prev + 1) * bs])
+        return views

@@ -1,0 +1,298 @@
+"""Receiver side of the control protocol, shared by every backend.
+
+``read()`` validates its arguments, creates a :class:`Transfer` and queues it
+on the link to that sender; it never blocks. Each link (one per sender
+instance) owns a control connection and a worker thread that runs its queued
+transfers in order:
+
+    queued -> connect + handshake (once per connection) -> ``read`` ->
+    ``grant`` (TRANSFERRING) -> backend pulls the bytes -> ``done``
+    [-> ``ack``] -> DONE
+
+Abort or deadline during a pull shuts the connection down (that interrupts any
+blocking I/O at once, and tells the sender to free); the next transfer on the
+link reconnects.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+from typing import Any, Optional, Sequence
+
+from .base import KVReceiver
+from .config import KVTransferConfig
+from .errors import IncompatiblePeerError, TransferRefusedError
+from .layout import PROTOCOL_VERSION, KVLayout
+from .memory import KVRegion
+from .transfer import Transfer, TransferTable
+from .wire import recv_msg, send_msg, tune_socket
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+
+class PeerLink:
+    """Control connection + worker thread for one sender instance."""
+
+    def __init__(self, owner: "ControlReceiver", peer_info: dict[str, Any]) -> None:
+        self.owner = owner
+        self.host = str(peer_info["host"])
+        self.port = int(peer_info["port"])
+        self.instance_id = peer_info.get("instance_id")
+        self.sock: Optional[socket.socket] = None
+        self.hello: dict = {}
+        self.backend_state: Any = None
+        self._queue: collections.deque[Transfer] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kv-recv-{self.host}:{self.port}")
+        self._thread.start()
+
+    def submit(self, t: Transfer) -> None:
+        """Queue ``t``; the worker picks it up in order."""
+        with self._cond:
+            self._queue.append(t)
+            self._cond.notify()
+
+    def interrupt(self) -> None:
+        """Break any blocking I/O on the connection (used by abort/deadline)."""
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def disconnect(self) -> None:
+        """Close the connection; the next transfer reconnects."""
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        """Fail queued transfers, stop the worker, drop backend peer state."""
+        with self._cond:
+            self._closed = True
+            queued = list(self._queue)
+            self._queue.clear()
+            self._cond.notify()
+        for t in queued:
+            t.fail("receiver closed")
+        self.interrupt()
+        self._thread.join(timeout=5)
+        self.disconnect()
+        self.owner._forget_peer(self)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                t = self._queue.popleft()
+            try:
+                self._run_one(t)
+            except Exception as e:  # never let the worker die
+                logger.exception("transfer %s: unexpected error", t.transfer_id)
+                self.disconnect()
+                t.fail(f"internal error: {e!r}")
+
+    def _connect(self, t: Transfer) -> None:
+        timeout = max(0.001, min(self.owner.config.connect_timeout_s, t.remaining()))
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        try:
+            tune_socket(sock, self.owner.config.socket_buffer_bytes)
+            layout = self.owner.layout
+            send_msg(sock, {"type": "hello", "version": PROTOCOL_VERSION,
+                            "backend": self.owner.backend_name,
+                            "compat_hash": layout.compat_hash(), "layout": layout.to_dict()})
+            hello, payload = recv_msg(sock)
+            if hello.get("type") == "refuse":
+                raise IncompatiblePeerError(f"sender refused the handshake: {hello.get('reason')}")
+            if hello.get("type") != "hello_ok":
+                raise IncompatiblePeerError(f"unexpected handshake reply {hello.get('type')!r}")
+            if self.instance_id and hello.get("instance_id") != self.instance_id:
+                raise IncompatiblePeerError(
+                    "sender restarted (instance id changed): its KV handle is stale")
+            self.owner._on_connected(self, hello, payload)
+        except BaseException:
+            sock.close()
+            raise
+        self.hello = hello
+        self.sock = sock
+
+    def _run_one(self, t: Transfer) -> None:
+        if t.state.is_terminal:  # aborted or expired while queued: let the sender free
+            self._send_abort(t)
+            return
+        if self.sock is None:
+            try:
+                self._connect(t)
+            except (OSError, IncompatiblePeerError) as e:
+                t.fail(f"cannot connect to {self.host}:{self.port}: {e}")
+                return
+        remote = t.remote_block_ids
+        if any(b >= int(self.hello["num_blocks"]) for b in remote):
+            t.fail(f"remote block id out of range [0, {self.hello['num_blocks']})")
+            self._send_abort(t)
+            return
+        if not t.begin_io():
+            self._send_abort(t)
+            return
+        t.set_interrupt(lambda _t: self.interrupt())
+        error: Optional[str] = None
+        nbytes = 0
+        try:
+            sock = self.sock
+            sock.settimeout(max(0.001, t.remaining()))
+            send_msg(sock, {"type": "read", "tid": t.transfer_id, "blocks": remote})
+            reply, _ = recv_msg(sock)
+            if reply.get("type") == "refuse_read":
+                raise TransferRefusedError(f"sender refused the read: {reply.get('reason')}")
+            if reply.get("type") != "grant" or reply.get("tid") != t.transfer_id:
+                raise ConnectionError(f"unexpected reply {reply}")
+            t.set_transferring()
+            nbytes = self.owner._pull(self, t, reply)
+            send_msg(sock, {"type": "done", "tid": t.transfer_id})
+            if self.owner.ack_done:
+                ack, _ = recv_msg(sock)
+                if ack.get("type") != "ack" or ack.get("tid") != t.transfer_id:
+                    raise ConnectionError(f"unexpected reply {ack}")
+                if not ack.get("ok"):
+                    raise TransferRefusedError(f"sender no longer held the blocks: {ack.get('reason')}")
+        except TransferRefusedError as e:
+            error = str(e)
+        except (OSError, ConnectionError, ValueError, InterruptedError) as e:
+            error = ("deadline exceeded" if isinstance(e, socket.timeout)
+                     else f"connection to sender lost: {e!r}")
+            self.disconnect()
+        finally:
+            t.set_interrupt(None)
+            t.end_io()
+        if error is None:
+            t.succeed(nbytes)
+        else:
+            t.fail(error)
+
+    def _send_abort(self, t: Transfer) -> None:
+        if self.sock is None:
+            try:
+                self._connect(t) if t.remaining() > 0 else None
+            except Exception:
+                return
+        if self.sock is None:
+            return
+        try:
+            send_msg(self.sock, {"type": "abort", "tid": t.transfer_id, "reason": t.error or ""})
+        except OSError:
+            self.disconnect()
+
+
+class ControlReceiver(KVReceiver):
+    """Links to senders + the transfer table; subclasses pull the bytes."""
+
+    #: Must match the sender's ``ack_done``.
+    ack_done = False
+
+    def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
+        self.config = config
+        self.layout = layout
+        self.region = KVRegion.from_buffer(kv_cache, layout)
+        self._table = TransferTable("recv")
+        self._links: dict[tuple, PeerLink] = {}
+        self._closing: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- hooks for backends ---------------------------------------------------
+    def _on_connected(self, link: PeerLink, hello: dict, payload: bytes) -> None:
+        """Handshake succeeded: set up backend state for this peer."""
+
+    def _pull(self, link: PeerLink, t: Transfer, grant: dict) -> int:
+        """Move the granted blocks into ``t``'s local blocks; returns bytes moved."""
+        raise NotImplementedError
+
+    def _forget_peer(self, link: PeerLink) -> None:
+        """Link closed for good: drop backend peer state."""
+
+    def _backend_stats(self) -> dict[str, int]:
+        return {}
+
+    def _close_backend(self) -> None:
+        """Release backend resources (deregister memory)."""
+
+    # -- public API -------------------------------------------------------------
+    def read(self, peer_info: dict[str, Any], transfer_id: str,
+             remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+             timeout_s: Optional[float] = None) -> Transfer:
+        if self._closed:
+            raise RuntimeError("receiver is closed")
+        if peer_info.get("backend") != self.backend_name:
+            raise ValueError(f"peer uses backend {peer_info.get('backend')!r}, "
+                             f"this receiver {self.backend_name!r}")
+        local = self.region.check_ids(local_block_ids, f"read({transfer_id!r}) local")
+        remote = [int(b) for b in remote_block_ids]
+        if len(remote) != len(local):
+            raise ValueError(f"{len(remote)} remote block ids but {len(local)} local ones")
+        if len(set(remote)) != len(remote) or any(b < 0 for b in remote):
+            raise ValueError("remote block ids must be distinct and >= 0")
+        t = Transfer(str(transfer_id), "receiver", local,
+                     timeout_s if timeout_s is not None else self.config.default_timeout_s,
+                     self.config.abort_wait_s, on_finish=self._table.finished)
+        t.remote_block_ids = remote
+        self._table.add(t)
+        self._link_for(peer_info).submit(t)
+        return t
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            links = list(self._links.values())
+        return {
+            "in_flight": len(self._table),
+            "links": len(links),
+            "connections": sum(1 for link in links if link.sock is not None),
+            "bytes_moved": self._table.bytes_moved,
+            "transfers_done": self._table.num_done,
+            "transfers_failed": self._table.num_failed,
+            "registered_regions": 0,
+            **self._backend_stats(),
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._table.close("receiver closed")
+        with self._lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()
+        for thread in self._closing:
+            thread.join(timeout=10)
+        self._close_backend()
+
+    def _link_for(self, peer_info: dict[str, Any]) -> PeerLink:
+        key = (str(peer_info["host"]), int(peer_info["port"]))
+        stale = None
+        with self._lock:
+            link = self._links.get(key)
+            if link is not None and link.instance_id != peer_info.get("instance_id"):
+                stale, link = link, None  # the sender restarted on the same address
+                del self._links[key]
+            if link is None:
+                link = self._links[key] = PeerLink(self, peer_info)
+        if stale is not None:
+            logger.info("sender %s:%s restarted; dropping the old link", *key)
+            closer = threading.Thread(target=stale.close, daemon=True)
+            self._closing.append(closer)
+            closer.start()
+        return link

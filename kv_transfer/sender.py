@@ -1,0 +1,231 @@
+"""Sender side of the control protocol, shared by every backend.
+
+One listening socket; one thread per receiver connection. A connection goes:
+
+1. ``hello`` (version, compat hash, layout, backend) -> ``hello_ok`` (+ backend
+   metadata) or ``refuse`` and close: nothing else is possible before this.
+2. ``read`` (transfer id, block ids) -> ``grant`` or ``refuse_read``. Only
+   blocks passed to :meth:`expect` for that transfer id, once. After ``grant``
+   the backend moves the data (TCP: streamed on this connection; NIXL: the
+   receiver READs the registered memory itself).
+3. ``done`` -> the sender's transfer turns DONE (NIXL also answers ``ack``,
+   telling the receiver whether the lease still held during its READ).
+   ``abort`` -> the sender's transfer turns FAILED.
+
+A connection that drops fails every transfer granted on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from typing import Any, Optional, Sequence
+
+from .base import KVSender
+from .config import KVTransferConfig
+from .layout import PROTOCOL_VERSION, KVLayout
+from .memory import KVRegion
+from .state import TransferState
+from .transfer import Transfer, TransferTable
+from .wire import PeerClosed, recv_msg, send_msg, tune_socket
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+
+class ControlSender(KVSender):
+    """Listener + handshake + leases; subclasses move the bytes."""
+
+    #: Whether ``done`` is answered with an ``ack`` (needed when the receiver
+    #: reads memory on its own and must learn that the lease held).
+    ack_done = False
+
+    def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
+        self.config = config
+        self.layout = layout
+        self.region = KVRegion.from_buffer(kv_cache, layout)
+        self.instance_id = uuid.uuid4().hex
+        self._table = TransferTable(f"send-{self.instance_id[:6]}")
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._listener = socket.create_server((config.host, config.port), backlog=64)
+        self.port = self._listener.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name=f"kv-accept-{self.port}")
+        self._accept_thread.start()
+
+    # -- hooks for backends --------------------------------------------------
+    def _hello_extra(self) -> tuple[dict, bytes]:
+        """Backend fields (and payload) added to ``hello_ok``."""
+        return {}, b""
+
+    def _serve_grant(self, sock: socket.socket, t: Transfer, block_ids: list[int]) -> None:
+        """Move the data after ``grant`` (TCP streams it); default: nothing."""
+
+    def _backend_stats(self) -> dict[str, int]:
+        return {}
+
+    def _close_backend(self) -> None:
+        """Release backend resources (deregister memory)."""
+
+    # -- public API -----------------------------------------------------------
+    def peer_info(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend_name,
+            "host": self.config.public_host,
+            "port": self.port,
+            "instance_id": self.instance_id,
+            "protocol_version": PROTOCOL_VERSION,
+            "compat_hash": self.layout.compat_hash(),
+        }
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int],
+               timeout_s: Optional[float] = None) -> Transfer:
+        if self._closed:
+            raise RuntimeError("sender is closed")
+        ids = self.region.check_ids(block_ids, f"expect({transfer_id!r})")
+        t = Transfer(str(transfer_id), "sender", ids,
+                     timeout_s if timeout_s is not None else self.config.default_timeout_s,
+                     self.config.abort_wait_s, on_finish=self._table.finished)
+        self._table.add(t)
+        return t
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            conns = len(self._conns)
+        return {
+            "in_flight": len(self._table),
+            "connections": conns,
+            "bytes_moved": self._table.bytes_moved,
+            "transfers_done": self._table.num_done,
+            "transfers_failed": self._table.num_failed,
+            "registered_regions": 0,
+            **self._backend_stats(),
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _shutdown(self._listener)
+        self._listener.close()
+        self._accept_thread.join(timeout=2)
+        self._table.close("sender closed")
+        with self._lock:
+            conns = list(self._conns.items())
+        for sock, _ in conns:
+            _shutdown(sock)
+        for _, thread in conns:
+            thread.join(timeout=2)
+        self._close_backend()
+
+    # -- connection handling ----------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            tune_socket(sock, self.config.socket_buffer_bytes)
+            thread = threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
+                                      name=f"kv-send-conn-{self.port}")
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._conns[sock] = thread
+            thread.start()
+
+    def _check_hello(self, hello: dict) -> Optional[str]:
+        if hello.get("type") != "hello":
+            return f"expected hello, got {hello.get('type')!r}"
+        if hello.get("version") != PROTOCOL_VERSION:
+            return (f"protocol version mismatch: sender speaks {PROTOCOL_VERSION}, "
+                    f"receiver {hello.get('version')!r}")
+        if hello.get("backend") != self.backend_name:
+            return f"backend mismatch: sender {self.backend_name}, receiver {hello.get('backend')!r}"
+        if hello.get("compat_hash") != self.layout.compat_hash():
+            try:
+                detail = self.layout.describe_mismatch(KVLayout.from_dict(hello["layout"]))
+            except Exception:
+                detail = "peer layout unreadable"
+            return f"incompatible KV layout ({detail})"
+        return None
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        granted: dict[str, Transfer] = {}
+        try:
+            sock.settimeout(self.config.connect_timeout_s)
+            hello, _ = recv_msg(sock)
+            problem = self._check_hello(hello)
+            if problem:
+                logger.warning("refusing receiver: %s", problem)
+                send_msg(sock, {"type": "refuse", "reason": problem})
+                return
+            extra, payload = self._hello_extra()
+            send_msg(sock, {"type": "hello_ok", "instance_id": self.instance_id,
+                            "num_blocks": self.region.num_blocks,
+                            "block_nbytes": self.region.block_nbytes, **extra}, payload)
+            sock.settimeout(None)
+            while True:
+                msg, _ = recv_msg(sock)
+                kind, tid = msg.get("type"), str(msg.get("tid"))
+                if kind == "read":
+                    self._handle_read(sock, tid, msg.get("blocks", []), granted)
+                elif kind == "done":
+                    t = granted.pop(tid, None)
+                    ok = t is not None and t.succeed(t.granted_nbytes)
+                    if self.ack_done:
+                        reason = "" if ok else (t.error if t is not None else "transfer not granted")
+                        send_msg(sock, {"type": "ack", "tid": tid, "ok": ok, "reason": reason})
+                elif kind == "abort":
+                    t = granted.pop(tid, None) or self._table.get(tid)
+                    if t is not None:
+                        t.request_stop(f"receiver aborted: {msg.get('reason', '')}")
+                else:
+                    raise ConnectionError(f"unexpected message {kind!r}")
+        except (PeerClosed, OSError, ValueError, InterruptedError) as e:
+            if granted:
+                logger.info("receiver connection lost with %d transfers granted: %s", len(granted), e)
+        finally:
+            for t in granted.values():
+                t.request_stop("receiver connection lost")
+            _shutdown(sock)
+            sock.close()
+            with self._lock:
+                self._conns.pop(sock, None)
+
+    def _handle_read(self, sock: socket.socket, tid: str, blocks: list,
+                     granted: dict[str, Transfer]) -> None:
+        t = self._table.get(tid)
+        reason = None
+        if t is None:
+            reason = f"unknown, finished or expired transfer {tid!r}"
+        elif t.state != TransferState.WAITING:
+            reason = f"transfer {tid!r} was already read"
+        else:
+            exposed = set(t.block_ids)
+            bad = [b for b in blocks if b not in exposed]
+            if bad:
+                reason = f"blocks {bad[:8]} not exposed for transfer {tid!r}"
+            elif len(set(blocks)) != len(blocks):
+                reason = "duplicate block ids"
+        if reason is None and not t.set_transferring():
+            reason = f"transfer {tid!r} is no longer available ({t.error})"
+        if reason is not None:
+            logger.warning("refusing read: %s", reason)
+            send_msg(sock, {"type": "refuse_read", "tid": tid, "reason": reason})
+            return
+        granted[tid] = t
+        ids = [int(b) for b in blocks]
+        send_msg(sock, {"type": "grant", "tid": tid, "nbytes": len(ids) * self.region.block_nbytes})
+        self._serve_grant(sock, t, ids)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
