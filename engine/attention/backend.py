@@ -1,0 +1,72 @@
+"""The attention backend interface and the metadata one step hands it.
+
+The KV cache of one layer is seen as two views `k_cache`, `v_cache` of shape
+[num_blocks, block_size, num_kv_heads, head_dim] (strided views into the
+engine's block-major KV tensor). A backend writes the step's new K/V into the
+slots of `slot_mapping`, then attends each query token to its sequence's
+context. Tokens of a step are packed: decode tokens (one per sequence) and
+prefill chunks, in any order, described by `decode_*` and `prefills`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """A sequence computing several tokens this step (a prompt or a chunk of one)."""
+
+    token_start: int
+    token_end: int
+    context_len: int
+    """Tokens of this sequence whose KV was already cached before this step."""
+    block_table: torch.Tensor
+    """Block ids covering context_len + (token_end - token_start) tokens."""
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    slot_blocks: torch.Tensor
+    """[T] block id holding each new token's KV."""
+    slot_offsets: torch.Tensor
+    """[T] offset inside that block."""
+    decode_token_indices: torch.Tensor | None = None
+    """[B] packed token index of each single-token sequence."""
+    decode_block_tables: torch.Tensor | None = None
+    """[B, max_blocks] block tables (padded with 0)."""
+    decode_mask: torch.Tensor | None = None
+    """[B, 1, 1, max_blocks * block_size] True where a key position is valid."""
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # Filled by backends that need more (e.g. cumulative lengths for flash-attn).
+    extra: dict = field(default_factory=dict)
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and computes attention."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
+
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    scale = head_dim ** -0.5
+    if name == "torch":
+        from engine.attention.torch_paged import TorchPagedAttention
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    if name == "flash":
+        from engine.attention.flash_paged import FlashPagedAttention
+        return FlashPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,63 @@
+"""Paged attention in plain torch: runs on CPU (and on CUDA, slower than a kernel).
+
+Decode tokens of all sequences are attended in one batched SDPA call over
+their gathered, padded context; the query heads of one KV group act as the
+query rows, so grouped-query attention needs no K/V repetition. Prefill chunks
+are attended one sequence at a time; a chunk with no earlier context uses its
+own fresh K/V with a causal mask, without touching the cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchPagedAttention(AttentionBackend):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        k_cache[meta.slot_blocks, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        out = torch.empty_like(q)
+        if meta.decode_token_indices is not None:
+            self._decode(q, k_cache, v_cache, meta, out)
+        for span in meta.prefills:
+            self._prefill(q, k, v, k_cache, v_cache, span, out)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta, out) -> None:
+        idx = meta.decode_token_indices
+        batch = idx.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        tables = meta.decode_block_tables
+        keys = _gather(k_cache, tables).transpose(1, 2)      # [B, Hkv, L, D]
+        values = _gather(v_cache, tables).transpose(1, 2)
+        query = q[idx].view(batch, self.num_kv_heads, group, self.head_dim)
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
+                                              scale=self.scale)
+        out[idx] = attn.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, span, out) -> None:
+        s, e = span.token_start, span.token_end
+        query = q[s:e].transpose(0, 1).unsqueeze(0)          # [1, Hq, n, D]
+        if span.context_len == 0:
+            keys = k[s:e].transpose(0, 1).unsqueeze(0)
+            values = v[s:e].transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                                  scale=self.scale, enable_gqa=True)
+        else:
+            total = span.context_len + (e - s)
+            table = span.block_table.unsqueeze(0)
+            keys = _gather(k_cache, table)[:, :total].transpose(1, 2)
+            values = _gather(v_cache, table)[:, :total].transpose(1, 2)
+            query_pos = torch.arange(span.context_len, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                  scale=self.scale, enable_gqa=True)
+        out[s:e] = attn.squeeze(0).transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[N, bs, H, D] cache, [B, nb] tables -> [B, nb * bs, H, D]."""
+    blocks = cache[tables]
+    return blocks.reshape(tables.shape[0], -1, cache.shape[2], cache.shape[3])

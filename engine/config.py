@@ -1,0 +1,69 @@
+"""Engine configuration: one dataclass per concern, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "flash")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill chunks plus decode tokens)."""
+    max_num_seqs: int = 256
+    """Most sequences running at once."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_bytes: int = 2 << 30
+    """Memory budget for the KV cache; the number of blocks is derived from it."""
+    num_blocks: int | None = None
+    """Exact number of KV blocks (overrides the memory budget; for tests)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of full blocks shared with earlier prompts."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"
+    """A directory with config.json and *.safetensors, or 'default' (SmolLM2-135M-Instruct)."""
+    dtype: str = "auto"
+    """auto (the checkpoint's dtype), float32, bfloat16 or float16."""
+    device: str = "cpu"
+    """torch device for weights and KV ('cuda' when a GPU is present)."""
+    max_model_len: int | None = None
+    """Longest prompt plus output; defaults to the model's max_position_embeddings."""
+    attention_backend: str = "torch"
+    """torch (CPU and CUDA) or flash (vllm-flash-attn, CUDA only)."""
+    seed: int = 0
+    """Seed for requests that give none."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")

@@ -1,0 +1,230 @@
+"""The engine loop: schedule -> run the model -> sample -> detokenize -> stop checks.
+
+A request enters `waiting`, is admitted into `running` (reusing prefix-cached
+blocks), computes its prompt in one or more chunks, then one token per step
+until a stop condition; its blocks are freed when it finishes or is aborted.
+With n > 1 the prompt is computed once; at the first token the request splits
+into n samples sharing its blocks (copy-on-write on the shared partial block).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model.model_config import ModelConfig
+from engine.model_files import resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.outputs import Completion, RequestOutput, SampleDelta
+from engine.request import FinishReason, Request
+from engine.sampler import Sampler, SampleRow
+from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one sample that the scheduler does not need."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.tokenizer = Tokenizer(self.model_path)
+        wanted_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.model_path, self.model_config, wanted_len)
+        capacity = self.runner.num_blocks * config.cache.block_size
+        if wanted_len > capacity:
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping", wanted_len, capacity)
+        self.max_model_len = min(wanted_len, capacity)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.sampler = Sampler(config.seed, self.runner.device)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._samples: dict[str, _Sample] = {}
+        self._groups: dict[str, list[str]] = {}
+        self._group_params: dict[str, SamplingParams] = {}
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a prompt. Raises InvalidParameter naming the bad field."""
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self._groups:
+            raise InvalidParameter("request_id", f"{request_id!r} is already running")
+        request = Request(request_id, list(prompt_token_ids), params.for_sample(0) if params.n > 1 else params,
+                          group_id=request_id, pending_forks=params.n - 1)
+        self._groups[request_id] = [request_id]
+        self._group_params[request_id] = params
+        self._track(request, params.for_sample(0).seed if params.n > 1 else params.seed)
+        self.scheduler.add_request(request)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidParameter("input", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidParameter("input", f"the prompt has {len(prompt_token_ids)} tokens; "
+                                            f"the context holds {self.max_model_len} (prompt plus at least one new)")
+
+    def abort_request(self, request_id: str) -> bool:
+        """End every sample of a request now, freeing its blocks."""
+        ids = self._groups.get(request_id)
+        if ids is None:
+            return False
+        for sample_id in ids:
+            sample = self._samples.get(sample_id)
+            if sample and not sample.request.is_finished:
+                self.scheduler.finish(sample.request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------
+    def step(self) -> list[SampleDelta]:
+        """Run one engine step; return what each touched sample gained."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return self._drain_aborted()
+        sampling = [item.request for item in out.scheduled if item.samples]
+        logits = self.runner.execute(out, self.kv)
+        self.scheduler.finish_step(out)
+        self.num_steps += 1
+        rows, owners = [], []
+        for row, request in enumerate(sampling):
+            suppress = self._suppressed(request)
+            family = [self._samples[request.request_id]]
+            family += [self._fork(request, i) for i in range(1, request.pending_forks + 1)]
+            request.pending_forks = 0
+            for sample in family:
+                rows.append(SampleRow(row, sample.request.params, sample.generator, suppress))
+                owners.append(sample)
+        tokens = self.sampler.sample(logits, rows)
+        for sample, token in zip(owners, tokens):
+            self._accept(sample, token)
+        return [self._delta(s) for s in owners] + self._drain_aborted()
+
+    # ---- helpers -------------------------------------------------------
+    def _track(self, request: Request, seed: int | None) -> _Sample:
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        sample = _Sample(request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                         request.params.stop), generator)
+        self._samples[request.request_id] = sample
+        return sample
+
+    def _fork(self, parent: Request, index: int) -> _Sample:
+        """Split off parallel sample `index` sharing the parent's computed blocks."""
+        params = self._group_params[parent.group_id].for_sample(index)
+        child = Request(f"{parent.group_id}#{index}", list(parent.prompt_token_ids), params,
+                        group_id=parent.group_id, sample_index=index)
+        child.all_token_ids = list(parent.all_token_ids)
+        self.scheduler.fork(parent, child)
+        self._groups[parent.group_id].append(child.request_id)
+        return self._track(child, params.seed)
+
+    def _suppressed(self, request: Request) -> list[int]:
+        if request.num_output_tokens >= request.params.min_tokens:
+            return []
+        return sorted(self.eos_token_ids | set(request.params.stop_token_ids))
+
+    def _accept(self, sample: _Sample, token) -> None:
+        request = sample.request
+        request.append_token(token.token_id)
+        sample.new_token_ids.append(token.token_id)
+        if token.logprob is not None:
+            entry = {"token_id": token.token_id, "logprob": token.logprob,
+                     "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in token.top_logprobs]}
+            request.output_logprobs.append(entry)
+            sample.new_logprobs.append(entry)
+        stop_string = sample.detokenizer.add_token(token.token_id)
+        reason = self._stop_reason(request, token.token_id, stop_string)
+        if reason is not None:
+            if reason != FinishReason.STOP_STRING:
+                sample.detokenizer.flush()
+            self.scheduler.finish(request, reason)
+
+    def _stop_reason(self, request: Request, token_id: int, stop_string: str | None) -> FinishReason | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+                return FinishReason.STOP
+            if stop_string is not None:
+                return FinishReason.STOP_STRING
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _delta(self, sample: _Sample) -> SampleDelta:
+        request = sample.request
+        delta = SampleDelta(request.group_id, request.sample_index, sample.new_token_ids,
+                            sample.detokenizer.take_delta(request.is_finished), sample.new_logprobs,
+                            request.is_finished,
+                            request.finish_reason.value if request.finish_reason else None,
+                            request.num_cached_tokens)
+        sample.new_token_ids, sample.new_logprobs = [], []
+        if request.is_finished:
+            self._forget(request)
+        return delta
+
+    def _drain_aborted(self) -> list[SampleDelta]:
+        """Deltas for samples that were aborted since the last step."""
+        return [self._delta(s) for s in list(self._samples.values())
+                if s.request.is_finished and s.request.finish_reason == FinishReason.ABORT]
+
+    def _forget(self, request: Request) -> None:
+        self._samples.pop(request.request_id, None)
+        group = self._groups.get(request.group_id, [])
+        if all(sid not in self._samples for sid in group):
+            self._groups.pop(request.group_id, None)
+            self._group_params.pop(request.group_id, None)
+
+    # ---- whole batches -------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+                 request_ids: list[str] | None = None) -> list[RequestOutput]:
+        """Submit all prompts together and run until every one finishes."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        request_ids = request_ids or [str(i) for i in range(len(prompts))]
+        results: dict[str, RequestOutput] = {}
+        for rid, prompt, p in zip(request_ids, prompts, params):
+            self.add_request(rid, prompt, p)
+            results[rid] = RequestOutput(rid, list(prompt), [])
+        partial: dict[tuple[str, int], Completion] = {}
+        while self.has_unfinished():
+            for d in self.step():
+                c = partial.setdefault((d.request_id, d.index), Completion(d.index, [], "", ""))
+                c.token_ids.extend(d.token_ids)
+                c.text += d.text
+                if d.logprobs:
+                    c.logprobs = (c.logprobs or []) + d.logprobs
+                if d.finished:
+                    c.finish_reason = d.finish_reason
+                    if d.index == 0:
+                        results[d.request_id].num_cached_tokens = d.num_cached_tokens
+        for (rid, _), c in sorted(partial.items(), key=lambda kv: kv[0][1]):
+            results[rid].completions.append(c)
+        return [results[rid] for rid in request_ids]

@@ -1,0 +1,1 @@
+"""The Llama-family decoder, its config and weight loading."""

@@ -1,0 +1,80 @@
+"""Llama-family decoder (Llama, Qwen2 with q/k/v bias, Mistral) over a paged KV cache.
+
+Weights are plain tensors: q/k/v are merged into one projection and gate/up
+into another, so a layer is four matrix multiplies over all packed tokens of a
+step. Numerics follow Hugging Face's implementation (RMSNorm in float32,
+rotate-half RoPE), so greedy outputs match transformers token for token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model.model_config import ModelConfig
+from engine.model.rotary import RotaryEmbedding
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, attention: AttentionBackend,
+                 max_positions: int) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.attention = attention
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                      config.rope_scaling, embed.dtype, embed.device)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run packed tokens through the model; return float32 logits of `logits_indices`.
+
+        kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+        """
+        cfg = self.config
+        x = F.embedding(input_ids, self.embed)
+        num_tokens = input_ids.shape[0]
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q, k = self.rotary.apply(q, k, positions)
+            attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+            x = x + F.linear(attn.reshape(num_tokens, self.q_size), w.o_proj)
+            h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        h = rms_norm(x[logits_indices], self.final_norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,95 @@
+"""Owns the model weights and the KV tensor; turns a scheduled step into logits."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model.loader import load_model, resolve_dtype
+from engine.model.model_config import ModelConfig
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: K and V of every layer for block_size tokens."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig, max_model_len: int) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config)
+        self.block_size = config.cache.block_size
+        self.model = load_model(model_path, model_config, self.dtype, self.device,
+                                config.attention_backend, max_model_len)
+        block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype)
+        self.num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_memory_bytes // block_bytes)
+        self.kv_cache = torch.zeros(
+            (self.num_blocks, model_config.num_layers, 2, self.block_size,
+             model_config.num_kv_heads, model_config.head_dim),
+            dtype=self.dtype, device=self.device)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
+                    self.num_blocks * block_bytes / 2**20, self.dtype)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
+        """Run one step; return logits [num_sampling_requests, vocab] in scheduled order."""
+        for src, dst in out.block_copies:
+            self.kv_cache[dst].copy_(self.kv_cache[src])
+        input_ids, positions, meta, logits_indices = self._prepare(out, kv)
+        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    def _prepare(self, out: SchedulerOutput, kv: KVCacheManager):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        logits_indices: list[int] = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for item in out.scheduled:
+            req = item.request
+            start = req.num_computed_tokens
+            end = start + item.num_new_tokens
+            table = kv.block_table(req.request_id)
+            token_start = len(input_ids)
+            input_ids.extend(req.all_token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            slot_blocks.extend(table[p // bs] for p in pos)
+            slot_offsets.extend(p % bs for p in pos)
+            num_table = -(-end // bs)
+            if item.num_new_tokens == 1:
+                decode_idx.append(token_start)
+                decode_tables.append(table[:num_table])
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSpan(token_start, len(input_ids), start,
+                                            torch.tensor(table[:num_table], device=self.device)))
+            if item.samples:
+                logits_indices.append(len(input_ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=len(input_ids),
+            slot_blocks=torch.tensor(slot_blocks, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, device=dev),
+            prefills=prefills)
+        if decode_idx:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            lens = torch.tensor(decode_lens, device=dev)
+            meta.decode_token_indices = torch.tensor(decode_idx, device=dev)
+            meta.decode_block_tables = torch.tensor(padded, device=dev)
+            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        return (torch.tensor(input_ids, device=dev, dtype=torch.long), torch.tensor(positions, device=dev, dtype=torch.long), meta,
+                torch.tensor(logits_indices, device=dev, dtype=torch.long))

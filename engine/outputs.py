@@ -1,0 +1,44 @@
+"""What the engine hands back: per-step deltas and finished completions."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampleDelta:
+    """New tokens and text of one sample (of one request) from one engine step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV was reused rather than computed."""
+
+
+@dataclass
+class Completion:
+    """A finished sample."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    num_cached_tokens: int = 0
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt_token_ids),
+                "completion_tokens": sum(len(c.token_ids) for c in self.completions),
+                "cached_tokens": self.num_cached_tokens}

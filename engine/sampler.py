@@ -1,0 +1,96 @@
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Random rows sample by the exponential race (argmax of p / E with E ~ Exp(1)),
+which is exact categorical sampling and lets each seeded request draw its
+noise from its own generator, so its tokens do not depend on the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """One token to draw from one row of logits."""
+
+    logits_row: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    suppress_token_ids: list[int]
+    """Token ids masked out (EOS/stop ids before min_tokens is reached)."""
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    def __init__(self, default_seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device).manual_seed(default_seed)
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+        if not rows:
+            return []
+        index = torch.tensor([r.logits_row for r in rows], device=logits.device)
+        logits = logits[index]
+        for i, row in enumerate(rows):
+            if row.suppress_token_ids:
+                logits[i, row.suppress_token_ids] = float("-inf")
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])
+        token_list = token_ids.tolist()
+        results = [SampledToken(t) for t in token_list]
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if want:
+            self._add_logprobs(logits[want], [rows[i] for i in want], [results[i] for i in want])
+        return results
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        logits = logits / temps[:, None]
+        top_ks = [r.params.top_k for r in rows]
+        top_ps = [r.params.top_p for r in rows]
+        if any(top_ks) or any(p < 1.0 for p in top_ps):
+            logits = _apply_top_k_top_p(logits, top_ks, top_ps)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def _add_logprobs(self, logits, rows, results) -> None:
+        logprobs = logits.log_softmax(dim=-1)
+        max_n = max(r.params.logprobs for r in rows)
+        top_vals, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor([[res.token_id] for res in results], device=logits.device))
+        for i, (row, res) in enumerate(zip(rows, results)):
+            n = row.params.logprobs
+            res.logprob = float(chosen[i, 0])
+            res.top_logprobs = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+    ps = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= ps[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)

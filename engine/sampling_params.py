@@ -1,0 +1,79 @@
+"""Per-request sampling parameters (defaults follow vLLM)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. Validated on construction."""
+
+    n: int = 1
+    """Number of samples returned for the prompt (they share its KV blocks)."""
+    temperature: float = 1.0
+    """0 means greedy; otherwise logits are divided by it."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much mass."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 or -1 means off."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever the batch."""
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    min_tokens: int = 0
+    """EOS and stop token ids are suppressed until this many tokens exist."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation ends when one appears; it is not emitted."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (emitted, like EOS)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS token."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be >= 0 (or -1 for off)")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", "must be between 0 and max_tokens")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "must be non-negative integers")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Parameters for one of `n` parallel samples (its own seed stream)."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+
+class InvalidParameter(ValueError):
+    """A request field is invalid; `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameter(field_name, message)

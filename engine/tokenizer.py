@@ -1,0 +1,30 @@
+"""Tokenizer and chat template from the checkpoint directory (no hub access)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+class Tokenizer:
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.vocab_size = len(self._tok)
+        self.eos_token_id = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat, ending with the assistant's generation prompt."""
+        if not self._tok.chat_template:
+            raise ValueError("messages: this model has no chat template")
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
