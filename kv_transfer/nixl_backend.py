@@ -119,13 +119,19 @@ class NixlAgent:
             self.live_xfers += 1
             try:
                 return handle, self.agent.transfer(handle)
-            except Exception:
-                self._release_locked(handle)
-                raise
+            except Exception as e:
+                try:
+                    self._release_locked(handle)
+                except Exception:
+                    logger.exception("releasing a failed NIXL transfer")
+                raise ConnectionError(f"NIXL could not post the READ: {e!r}") from e
 
     def state(self, handle: Any) -> str:
         with self.lock:
-            return self.agent.check_xfer_state(handle)
+            try:
+                return self.agent.check_xfer_state(handle)
+            except Exception as e:  # nixl raises e.g. nixlRemoteDisconnectError
+                return f"ERR ({e!r})"
 
     def release(self, handle: Any, grace_s: float = 1.0) -> bool:
         """Release a transfer handle, waiting (bounded) for an aborted one to settle."""

@@ -1,0 +1,146 @@
+"""Child-process side of the two-process tests.
+
+A child hosts one sender or receiver and obeys commands sent over a
+multiprocessing pipe. Faults (stalls) are installed by monkeypatching inside
+the child only, so the production code carries no test hooks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import traceback
+
+import numpy as np
+
+SMOLLM2 = dict(model_id="HuggingFaceTB/SmolLM2-135M-Instruct", block_size=16,
+               num_layers=30, num_kv_heads=3, head_dim=64)
+
+
+def make_pool(layout, num_blocks: int, seed: int, lib: str = "numpy"):
+    """Deterministic pool of random bits (same seed -> same bytes in any process)."""
+    raw = np.random.default_rng(seed).integers(0, 256, num_blocks * layout.block_nbytes,
+                                               dtype=np.uint8)
+    if lib == "torch":
+        import torch
+        return torch.from_numpy(raw).view(getattr(torch, layout.dtype)).reshape(layout.shape(num_blocks))
+    np_dtype = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}[layout.dtype]
+    return raw.view(np_dtype).reshape(layout.shape(num_blocks))
+
+
+def pool_bytes(pool) -> memoryview:
+    """Byte view of a numpy or torch pool."""
+    if isinstance(pool, np.ndarray):
+        return memoryview(pool).cast("B")
+    return memoryview(pool.view(-1).view(__import__("torch").uint8).numpy())
+
+
+def block_digest(pool, block_nbytes: int, ids) -> list[str]:
+    """sha256 of each listed block."""
+    mv = pool_bytes(pool)
+    return [hashlib.sha256(mv[b * block_nbytes:(b + 1) * block_nbytes]).hexdigest() for b in ids]
+
+
+def _install_fault(fault: str, stalled, unstall) -> None:
+    """Monkeypatch a stall into this process's kv_transfer."""
+    def stall():
+        stalled.set()
+        unstall.wait(60)
+
+    if fault == "stall_tcp_send":  # stall halfway through streaming the blocks
+        import kv_transfer.tcp_backend as tb
+        orig = tb.send_views
+
+        def send_views(sock, views, should_stop=None):
+            flat = [v[i:i + 65536] for v in views for i in range(0, v.nbytes, 65536)]
+            half = len(flat) // 2
+            n = orig(sock, flat[:half], should_stop)
+            stall()
+            return n + orig(sock, flat[half:], should_stop)
+        tb.send_views = send_views
+    elif fault == "stall_after_grant":  # grant served, then the connection thread hangs
+        from kv_transfer.sender import ControlSender
+        orig_grant = ControlSender._handle_read
+
+        def handle_read(self, *a, **k):
+            orig_grant(self, *a, **k)
+            stall()
+        ControlSender._handle_read = handle_read
+    elif fault == "stall_in_pull":  # receiver hangs while pulling
+        import kv_transfer.tcp_backend as tb
+        import kv_transfer.nixl_backend as nb
+        for cls in (tb.TcpReceiver, nb.NixlReceiver):
+            orig_pull = cls._pull
+
+            def pull(self, link, t, grant, _orig=orig_pull):
+                stall()
+                return _orig(self, link, t, grant)
+            cls._pull = pull
+    elif fault:
+        raise ValueError(f"unknown fault {fault}")
+
+
+def run_peer(conn, spec: dict, stalled, unstall) -> None:
+    """Child main: build the side described by ``spec`` and serve commands."""
+    try:
+        from kv_transfer import KVLayout, KVTransferConfig, make_receiver, make_sender
+        _install_fault(spec.get("fault", ""), stalled, unstall)
+        layout = KVLayout(**spec["layout"])
+        pool = make_pool(layout, spec["num_blocks"], spec["seed"], spec.get("lib", "numpy"))
+        cfg = KVTransferConfig(backend=spec["backend"])
+        side = (make_sender if spec["role"] == "sender" else make_receiver)(pool, layout, cfg)
+        threads_before = threading.active_count()
+        conn.send(("ok", {"pid": os.getpid(), "peer_info": getattr(side, "peer_info", dict)(),
+                          "backend": side.backend_name}))
+    except Exception:
+        conn.send(("err", traceback.format_exc()))
+        return
+    transfers = {}
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            return
+        try:
+            if cmd == "expect":
+                tid, ids, timeout = args
+                transfers[tid] = side.expect(tid, ids, timeout)
+                out = None
+            elif cmd == "expect_many":
+                items, timeout = args
+                for tid, ids in items:
+                    transfers[tid] = side.expect(tid, ids, timeout)
+                out = None
+            elif cmd == "read":
+                info, tid, remote, local, timeout = args
+                transfers[tid] = side.read(info, tid, remote, local, timeout)
+                out = None
+            elif cmd == "wait":
+                tid, timeout = args
+                t = transfers[tid]
+                out = (int(t.wait(timeout)), t.error)
+            elif cmd == "wait_all":
+                (timeout,) = args
+                out = {tid: (int(t.wait(timeout)), t.error) for tid, t in transfers.items()}
+                transfers.clear()
+            elif cmd == "abort":
+                (tid,) = args
+                t = transfers[tid]
+                out = (int(t.abort("aborted by test")), t.error)
+            elif cmd == "digest":
+                (ids,) = args
+                out = block_digest(pool, layout.block_nbytes, ids)
+            elif cmd == "unstall":
+                unstall.set()
+                out = None
+            elif cmd == "stats":
+                out = side.stats()
+            elif cmd == "close":
+                side.close()
+                out = {**side.stats(), "extra_threads": threading.active_count() - threads_before}
+            else:
+                raise ValueError(f"unknown command {cmd}")
+            conn.send(("ok", out))
+        except Exception:
+            conn.send(("err", traceback.format_exc()))

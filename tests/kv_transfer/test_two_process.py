@@ -1,0 +1,264 @@
+"""Two-process tests of both backends: one side in a spawned child, the other here.
+
+Blocks have the SmolLM2-135M KV shape (30 layers, 3 KV heads, head dim 64,
+block size 16): 737,280 bytes per block in float32. Every scenario ends with a
+leak check on both sides.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from conftest import BACKENDS, assert_no_leak
+from peers import SMOLLM2, block_digest, make_pool
+from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
+
+DONE, FAILED, TRANSFERRING = int(TransferState.DONE), int(TransferState.FAILED), int(TransferState.TRANSFERRING)
+
+
+def _local(backend, layout, num_blocks=64, seed=2, role="receiver", lib="numpy"):
+    pool = make_pool(layout, num_blocks, seed, lib)
+    make = make_receiver if role == "receiver" else make_sender
+    return pool, make(pool, layout, KVTransferConfig(backend=backend))
+
+
+def _close_and_check(side):
+    side.close()
+    assert_no_leak(side.stats(), closed=True)
+
+
+def _wait_state(t, state, timeout=10.0):
+    end = time.monotonic() + timeout
+    while t.poll() != state and time.monotonic() < end:
+        time.sleep(0.002)
+    return t.poll()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_blocks_arrive_bit_exact(backend, peers, thread_guard):
+    sender = peers("sender", backend, num_blocks=64, seed=1)
+    assert sender.backend == backend
+    layout = KVLayout(**sender.layout)
+    remote_src = make_pool(layout, 64, 1)
+    pool, recv = _local(backend, layout)
+    rng = np.random.default_rng(7)
+    cases = [("contig", list(range(8, 24)), list(range(0, 16))),
+             ("single", [63], [5])]
+    for i in range(6):  # random non-contiguous subsets into random local slots
+        n = int(rng.integers(1, 24))
+        cases.append((f"rand{i}", rng.choice(64, n, replace=False).tolist(),
+                      rng.choice(64, n, replace=False).tolist()))
+    for tid, remote, local in cases:
+        before = block_digest(pool, layout.block_nbytes, range(64))
+        sender.call("expect", tid, remote, 30)
+        t = recv.read(sender.peer_info, tid, remote, local, timeout_s=30)
+        assert t.wait(30) == TransferState.DONE, t.error
+        assert sender.call("wait", tid, 10) == (DONE, None)
+        after = block_digest(pool, layout.block_nbytes, range(64))
+        assert [after[b] for b in local] == block_digest(remote_src, layout.block_nbytes, remote)
+        untouched = set(range(64)) - set(local)
+        assert all(after[b] == before[b] for b in untouched), "a block outside the read changed"
+        assert t.bytes_moved == len(remote) * layout.block_nbytes
+    moved = sum(len(r) for _, r, _ in cases) * layout.block_nbytes
+    assert recv.stats()["bytes_moved"] == moved
+    assert sender.call("stats")["bytes_moved"] == moved
+    assert_no_leak(recv.stats())
+    _close_and_check(recv)
+    sender.close_and_check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_missing_blocks_move_and_unexposed_refused(backend, peers, thread_guard):
+    sender = peers("sender", backend, seed=1)
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout)
+    exposed = [10, 11, 12, 13, 14, 15, 16, 17]
+    # receiver already has the first five (prefix cache): it asks for the last three only
+    sender.call("expect", "req", exposed, 30)
+    t = recv.read(sender.peer_info, "req", exposed[5:], [40, 41, 42], timeout_s=30)
+    assert t.wait(30) == TransferState.DONE, t.error
+    assert sender.call("wait", "req", 10) == (DONE, None)
+    assert sender.call("stats")["bytes_moved"] == 3 * layout.block_nbytes
+    # a block the sender did not expose for the transfer is refused, nothing moves
+    before = block_digest(pool, layout.block_nbytes, [0])
+    sender.call("expect", "req2", [1, 2], 30)
+    t = recv.read(sender.peer_info, "req2", [3], [0], timeout_s=30)
+    assert t.wait(30) == TransferState.FAILED
+    assert "not exposed" in t.error
+    assert block_digest(pool, layout.block_nbytes, [0]) == before
+    # an empty read is the "I have everything, free it" notification
+    t = recv.read(sender.peer_info, "req2", [], [], timeout_s=30)
+    assert t.wait(30) == TransferState.DONE, t.error
+    assert sender.call("wait", "req2", 10) == (DONE, None)
+    assert recv.stats()["bytes_moved"] == 3 * layout.block_nbytes
+    _close_and_check(recv)
+    sender.close_and_check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_torch_tensors(backend, peers, thread_guard):
+    torch = pytest.importorskip("torch")
+    sender = peers("sender", backend, num_blocks=16, seed=3, dtype="bfloat16", lib="torch")
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout, num_blocks=16, lib="torch")
+    assert pool.dtype == torch.bfloat16
+    sender.call("expect", "bf", [15, 0, 7], 30)
+    t = recv.read(sender.peer_info, "bf", [15, 0, 7], [1, 2, 3], timeout_s=30)
+    assert t.wait(30) == TransferState.DONE, t.error
+    src = make_pool(layout, 16, 3, "torch")
+    assert torch.equal(pool[1:4].view(torch.int16), src[[15, 0, 7]].view(torch.int16))
+    _close_and_check(recv)
+    sender.close_and_check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_incompatible_peer_refused(backend, peers, thread_guard):
+    sender = peers("sender", backend, seed=1, dtype="bfloat16")
+    layout = KVLayout(**{**sender.layout, "dtype": "float32"})
+    pool, recv = _local(backend, layout)
+    before = block_digest(pool, layout.block_nbytes, range(4))
+    sender.call("expect", "x", [0, 1, 2, 3], 30)
+    t = recv.read(sender.peer_info, "x", [0, 1, 2, 3], [0, 1, 2, 3], timeout_s=30)
+    assert t.wait(30) == TransferState.FAILED
+    assert "incompatible KV layout" in t.error and "dtype" in t.error, t.error
+    assert block_digest(pool, layout.block_nbytes, range(4)) == before
+    assert recv.stats()["bytes_moved"] == 0
+    stats = sender.call("stats")
+    assert stats["bytes_moved"] == 0 and stats["in_flight"] == 1  # lease untouched
+    sender.call("abort", "x")
+    assert_no_leak(sender.call("stats"))
+    _close_and_check(recv)
+    sender.close_and_check()
+
+
+STALL = {"tcp": "stall_tcp_send", "nixl": "stall_after_grant"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_killed_mid_transfer(backend, peers, thread_guard):
+    sender = peers("sender", backend, seed=1, fault=STALL[backend])
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout)
+    ids = list(range(32))
+    sender.call("expect", "k", ids, 30)
+    t = recv.read(sender.peer_info, "k", ids, ids, timeout_s=10)
+    assert sender.stalled.wait(20)
+    assert _wait_state(t, TransferState.TRANSFERRING) == TransferState.TRANSFERRING
+    sender.kill()
+    start = time.monotonic()
+    assert t.wait(15) == TransferState.FAILED
+    assert time.monotonic() - start < 5 and time.monotonic() <= t.deadline + 0.5
+    assert "lost" in t.error or "closed" in t.error, t.error
+    assert_no_leak(recv.stats())
+    _close_and_check(recv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stalled_sender_fails_at_deadline(backend, peers, thread_guard):
+    sender = peers("sender", backend, seed=1, fault=STALL[backend])
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout)
+    ids = list(range(32))
+    sender.call("expect", "s", ids, 30)
+    t = recv.read(sender.peer_info, "s", ids, ids, timeout_s=2.0)
+    assert sender.stalled.wait(20)
+    assert t.wait(10) == TransferState.FAILED
+    assert "deadline" in t.error, t.error
+    assert t.deadline - 0.05 <= t.finished_at <= t.deadline + 1.0
+    assert_no_leak(recv.stats())
+    # the sender's lease ends too once it runs again (tcp: the receiver hung up -> FAILED;
+    # nixl: the receiver's "done" may already sit in the socket -> DONE); either way it frees
+    sender.call("unstall")
+    assert sender.call("wait", "s", 10)[0] in (FAILED, DONE)
+    _close_and_check(recv)
+    sender.close_and_check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receiver_killed_mid_transfer(backend, peers, thread_guard):
+    layout = KVLayout(**{**SMOLLM2, "dtype": "float32"})
+    pool, send = _local(backend, layout, seed=1, role="sender")
+    recv = peers("receiver", backend, seed=2, fault="stall_in_pull")
+    ids = list(range(32))
+    t = send.expect("r", ids, timeout_s=10)
+    recv.call("read", send.peer_info(), "r", ids, ids, 10)
+    assert recv.stalled.wait(30)
+    assert _wait_state(t, TransferState.TRANSFERRING) == TransferState.TRANSFERRING
+    recv.kill()
+    start = time.monotonic()
+    assert t.wait(15) == TransferState.FAILED
+    assert time.monotonic() - start < 5, "sender should notice the dead receiver before the deadline"
+    assert_no_leak(send.stats())
+    _close_and_check(send)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_mid_transfer(backend, peers, thread_guard):
+    sender = peers("sender", backend, seed=1, fault=STALL[backend])
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout)
+    ids = list(range(32))
+    sender.call("expect", "a", ids, 30)
+    t = recv.read(sender.peer_info, "a", ids, ids, timeout_s=30)
+    assert sender.stalled.wait(20)
+    assert _wait_state(t, TransferState.TRANSFERRING) == TransferState.TRANSFERRING
+    start = time.monotonic()
+    assert t.abort() == TransferState.FAILED
+    assert time.monotonic() - start < 1.0
+    assert "aborted" in t.error
+    assert_no_leak(recv.stats())
+    sender.call("unstall")
+    state = sender.call("wait", "a", 10)[0]  # the sender's lease ends too (nixl: the
+    assert state == FAILED if backend == "tcp" else state in (FAILED, DONE)  # "done" may precede
+    assert_no_leak(sender.call("stats"))
+    # the link recovers: the next transfer to the same sender works
+    sender.call("expect", "b", [1], 30)
+    sender.call("unstall")
+    t2 = recv.read(sender.peer_info, "b", [1], [1], timeout_s=30)
+    assert t2.wait(30) == TransferState.DONE, t2.error
+    _close_and_check(recv)
+    sender.close_and_check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_abort_and_expiry_refuse_later_reads(backend, peers, thread_guard):
+    sender = peers("sender", backend, seed=1)
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout)
+    sender.call("expect", "gone", [1, 2], 30)
+    assert sender.call("abort", "gone")[0] == FAILED
+    sender.call("expect", "late", [3], 0.2)
+    assert sender.call("wait", "late", 5)[0] == FAILED  # lease expired
+    for tid in ("gone", "late"):
+        t = recv.read(sender.peer_info, tid, [1 if tid == "gone" else 3], [0], timeout_s=30)
+        assert t.wait(30) == TransferState.FAILED
+        assert "unknown, finished or expired" in t.error
+    assert_no_leak(sender.call("stats"))
+    _close_and_check(recv)
+    sender.close_and_check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_thousand_small_transfers_no_leak(backend, peers, thread_guard):
+    sender = peers("sender", backend, num_blocks=32, seed=1, block_size=1, num_layers=2)
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout, num_blocks=32)
+    n = 1000
+    sender.call("expect_many", [(f"t{i}", [i % 32]) for i in range(n)], 60)
+    start = time.monotonic()
+    for i in range(n):
+        t = recv.read(sender.peer_info, f"t{i}", [i % 32], [(i * 7) % 32], timeout_s=30)
+        assert t.wait(30) == TransferState.DONE, t.error
+    elapsed = time.monotonic() - start
+    states = sender.call("wait_all", 10)
+    assert all(s == (DONE, None) for s in states.values()) and len(states) == n
+    assert recv.stats()["transfers_done"] == n
+    assert recv.stats()["bytes_moved"] == n * layout.block_nbytes
+    assert_no_leak(recv.stats())
+    assert_no_leak(sender.call("stats"))
+    assert elapsed < 30, elapsed
+    _close_and_check(recv)
+    sender.close_and_check()

@@ -1,0 +1,127 @@
+"""In-process tests of the pieces: config, layout hash, state machine, validation,
+backend selection and sender restart. Fast; the data path is covered by
+test_two_process.py."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from conftest import BACKENDS, HAVE_NIXL, assert_no_leak
+from peers import SMOLLM2, make_pool
+from kv_transfer import (KVLayout, KVTransferConfig, Transfer, TransferState, make_receiver,
+                         make_sender)
+
+LAYOUT = KVLayout(dtype="float32", **SMOLLM2)
+
+
+def test_states_are_ordered():
+    assert TransferState.FAILED < TransferState.WAITING < TransferState.TRANSFERRING < TransferState.DONE
+    assert min(TransferState.DONE, TransferState.FAILED) == TransferState.FAILED
+
+
+def test_config_validated():
+    with pytest.raises(ValueError):
+        KVTransferConfig(backend="rdma")
+    with pytest.raises(ValueError):
+        KVTransferConfig(port=70000)
+    with pytest.raises(ValueError):
+        KVTransferConfig(default_timeout_s=0)
+    assert KVTransferConfig(host="0.0.0.0").public_host == "127.0.0.1"
+
+
+def test_layout_hash_covers_every_field():
+    assert LAYOUT.block_nbytes == 30 * 2 * 16 * 3 * 64 * 4
+    base = LAYOUT.compat_hash()
+    assert base == KVLayout(dtype="float32", **SMOLLM2).compat_hash()
+    for field, value in [("model_id", "other"), ("dtype", "bfloat16"), ("block_size", 32),
+                         ("num_layers", 29), ("num_kv_heads", 2), ("head_dim", 128)]:
+        other = KVLayout(**{**LAYOUT.to_dict(), field: value})
+        assert other.compat_hash() != base, field
+        assert field in LAYOUT.describe_mismatch(other)
+    with pytest.raises(ValueError):
+        KVLayout(**{**LAYOUT.to_dict(), "layout": "layer_major"})
+
+
+def test_transfer_moves_forward_only():
+    t = Transfer("t", "receiver", [1], timeout_s=10)
+    assert t.poll() == TransferState.WAITING
+    assert t.set_transferring() and t.poll() == TransferState.TRANSFERRING
+    assert t.succeed(5) and t.poll() == TransferState.DONE
+    assert not t.fail("late") and t.state == TransferState.DONE and t.bytes_moved == 5
+    t = Transfer("t", "receiver", [1], timeout_s=0.05)
+    time.sleep(0.06)
+    assert t.poll() == TransferState.FAILED and "deadline" in t.error
+    t = Transfer("t", "receiver", [1], timeout_s=10)
+    assert t.begin_io()
+    t.abort_wait_s = 0
+    t.request_stop("abort")  # busy: stays non-terminal until the backend lets go
+    assert t.state == TransferState.WAITING
+    t.end_io()
+    assert t.state == TransferState.FAILED and t.error == "abort"
+
+
+def test_kv_buffer_validation():
+    with pytest.raises(ValueError, match="shape"):
+        make_sender(np.zeros((4, 30, 2, 16, 3, 32), np.float32), LAYOUT, KVTransferConfig(backend="tcp"))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="dtype"):
+        make_sender(torch.zeros(LAYOUT.shape(2), dtype=torch.bfloat16), LAYOUT,
+                    KVTransferConfig(backend="tcp"))
+    with pytest.raises(ValueError, match="contiguous"):
+        make_sender(torch.zeros(LAYOUT.shape(4)).transpose(0, 1).contiguous().transpose(0, 1)[:2],
+                    LAYOUT, KVTransferConfig(backend="tcp"))
+
+
+def test_read_argument_validation(thread_guard):
+    with make_receiver(np.zeros(LAYOUT.shape(4), np.float32), LAYOUT, KVTransferConfig(backend="tcp")) as r:
+        info = {"backend": "tcp", "host": "127.0.0.1", "port": 1}
+        with pytest.raises(ValueError, match="out of range"):
+            r.read(info, "x", [0], [4])
+        with pytest.raises(ValueError, match="duplicate"):
+            r.read(info, "x", [0, 1], [2, 2])
+        with pytest.raises(ValueError, match="remote block ids but"):
+            r.read(info, "x", [0, 1], [2])
+        with pytest.raises(ValueError, match="backend"):
+            r.read({**info, "backend": "nixl"}, "x", [0], [0])
+        assert_no_leak(r.stats())
+
+
+def test_auto_selection_is_logged(caplog, thread_guard):
+    caplog.set_level(logging.INFO, logger="pdserve.kv_transfer")
+    pool = np.zeros(LAYOUT.shape(2), np.float32)
+    with make_sender(pool, LAYOUT, KVTransferConfig(backend="auto")) as s:
+        expected = "nixl" if HAVE_NIXL else "tcp"
+        assert s.backend_name == expected
+        assert "self-test" in s.selection if HAVE_NIXL else "unavailable" in s.selection
+    assert any(f"backend {expected}" in r.getMessage() for r in caplog.records)
+    assert_no_leak(s.stats(), closed=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_restart_drops_stale_peer(backend, thread_guard):
+    """Same address, new sender instance: old handle refused, new one works, old agent dropped."""
+    cfg = KVTransferConfig(backend=backend)
+    src, dst = make_pool(LAYOUT, 4, 1), make_pool(LAYOUT, 4, 2)
+    r = make_receiver(dst, LAYOUT, cfg)
+    s1 = make_sender(src, LAYOUT, cfg)
+    port = s1.port
+    s1.expect("a", [0])
+    assert r.read(s1.peer_info(), "a", [0], [0]).wait(30) == TransferState.DONE
+    old_info = s1.peer_info()
+    s1.close()
+    s2 = make_sender(src, LAYOUT, KVTransferConfig(backend=backend, port=port))
+    s2.expect("b", [1])
+    t = r.read(old_info, "b", [1], [1], timeout_s=10)
+    assert t.wait(10) == TransferState.FAILED  # stale handle: never silently served by s2
+    t = r.read(s2.peer_info(), "b", [1], [1], timeout_s=10)
+    assert t.wait(30) == TransferState.DONE, t.error
+    assert dst[1].tobytes() == src[1].tobytes()
+    stats = r.stats()
+    assert stats["links"] == 1 and stats.get("remote_agents", 1) == 1, stats
+    for side in (r, s2):
+        side.close()
+        assert_no_leak(side.stats(), closed=True)
