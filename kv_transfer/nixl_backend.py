@@ -37,6 +37,9 @@ from .transfer import Transfer
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
+#: Poll a running READ back-to-back for this long before backing off to sleeps.
+_SPIN_S = 0.5
+
 
 def _mem_type(region: KVRegion) -> str:
     return "VRAM" if region.is_cuda else "DRAM"
@@ -216,7 +219,7 @@ class NixlSender(ControlSender):
 
     def _hello_extra(self) -> tuple[dict, bytes]:
         r = self.region
-        self._pump.keep_alive_for(self.config.connect_timeout_s)  # UCX wire-up needs our progress
+        self._pump.keep_alive_for(2.0)  # the receiver's UCX wire-up needs our progress
         return ({"agent_name": self.nixl.name, "base_addr": r.addr, "mem_type": _mem_type(r),
                  "device_id": r.device_id}, self._metadata)
 
@@ -351,16 +354,21 @@ class NixlReceiver(ControlReceiver):
                                           t.remote_block_ids)
         settled = False
         try:
-            spins, wait = 0, 0.0
+            # Without a progress thread the copy itself (UCX cma: process_vm_readv) runs
+            # inside check_xfer_state, so poll back-to-back for a while; back off to
+            # sleeps only when the READ takes long (a stalled or dying peer).
+            start = last_check = time.monotonic()
+            wait = 0.0
             while st == "PROC":
                 if t.stop_requested:
                     raise InterruptedError(t.error or "stopped")
-                if t.remaining() <= 0:
+                now = time.monotonic()
+                if now >= t.deadline:
                     raise TimeoutError("deadline exceeded")
-                if spins < 200:
-                    spins += 1
-                else:
+                if now - start > _SPIN_S:
                     wait = min(0.001, wait * 2 or 0.00005)
+                if wait or now - last_check > 0.002:
+                    last_check = now
                     if _peer_closed(link.sock, wait):
                         raise ConnectionError("sender closed the connection during the READ")
                 st = self.nixl.state(handle)

@@ -55,6 +55,7 @@ class Peer:
         if self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
+        self.conn.close()
 
     def close_and_check(self) -> dict:
         """Close the side in the child, assert nothing leaked there, stop the child."""
@@ -89,11 +90,23 @@ def peers():
         p.kill()
 
 
+def _socket_fds() -> int:
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return fds
+
+
 @pytest.fixture
 def thread_guard():
-    """Assert the test left no kv_transfer thread behind in this process."""
+    """Assert the test left no kv_transfer thread and no socket behind in this process."""
     before = {t.ident for t in threading.enumerate()}
+    sockets_before = _socket_fds()
     yield
     left = [t.name for t in threading.enumerate()
             if t.ident not in before and t.name.startswith("kv-") and t.is_alive()]
     assert not left, f"threads left behind: {left}"
+    assert _socket_fds() <= sockets_before, "sockets left open"
