@@ -240,14 +240,18 @@ class _ProgressPump:
     """Drives the sender agent's UCX progress only while a peer may need it.
 
     NIXL's own progress thread polls without pause (a whole core here), and a
-    passive agent that never calls NIXL leaves UCX wire-up and non-zero-copy
-    transports stalled. So: poll (``get_new_notifs``) every ~50 us while a
-    grant is outstanding or a handshake happened recently; sleep otherwise.
+    passive agent that never calls NIXL leaves UCX wire-up stalled, and READs
+    too: UCX here serves an RMA get through active messages on the target
+    (``rma_am(tcp/lo)``, data by ``cma``). So: poll (``get_new_notifs``)
+    back-to-back for the first 0.5 s of outstanding grants, then every ~50 us
+    while any grant is outstanding or a handshake happened recently; sleep
+    otherwise.
     """
 
     def __init__(self, nixl: NixlAgent, active: bool = True) -> None:
         self._nixl = nixl
         self._holds = 0
+        self._busy_since = 0.0
         self._until = 0.0
         self._cond = threading.Condition()
         self._closed = not active
@@ -257,6 +261,8 @@ class _ProgressPump:
 
     def hold(self) -> None:
         with self._cond:
+            if self._holds <= 0:
+                self._busy_since = time.monotonic()
             self._holds += 1
             self._cond.notify()
 
@@ -284,9 +290,10 @@ class _ProgressPump:
                     self._cond.wait(max(0.0, self._until - time.monotonic()) or None)
                 if self._closed:
                     return
+                spin = self._holds > 0 and time.monotonic() - self._busy_since < _SPIN_S
             with self._nixl.lock:
                 self._nixl.agent.get_new_notifs()
-            time.sleep(0.00005)
+            time.sleep(0 if spin else 0.00005)
 
 
 class NixlReceiver(ControlReceiver):
