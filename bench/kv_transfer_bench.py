@@ -5,7 +5,10 @@ KV blocks in the SmolLM2-135M shape; this process hosts the receiver (decode
 side) and times ``read()`` -> DONE (which includes the sender's ack) for
 random, non-contiguous block-id sets of 1, 16, 256 and 4,096 blocks, plus the
 128 blocks of one 2,048-token prompt. The reference is a plain memcpy
-(``numpy.copyto``) of the same number of bytes in this process, in the same run.
+(``numpy.copyto``) of the same number of bytes in this process, in the same run;
+``pvm_readv`` is the kernel's own cross-process copy (``process_vm_readv`` of the
+same blocks from the sender process, what UCX's ``cma`` transport uses), the
+ceiling for any zero-copy path between two processes on one host.
 
     PYTHONPATH=. .venv/bin/python bench/kv_transfer_bench.py \
         [--backends nixl,tcp] [--dtype bfloat16] [--sizes 1,16,256,4096] \
@@ -15,6 +18,7 @@ random, non-contiguous block-id sets of 1, 16, 256 and 4,096 blocks, plus the
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -50,7 +54,7 @@ def _sender_main(conn, backend: str, layout_dict: dict, num_blocks: int) -> None
     layout = KVLayout(**layout_dict)
     pool = _pool(layout, num_blocks, 1)
     sender = make_sender(pool, layout, KVTransferConfig(backend=backend))
-    conn.send(sender.peer_info())
+    conn.send((sender.peer_info(), int(pool.ctypes.data)))
     held = []
     while True:
         msg = conn.recv()
@@ -73,6 +77,32 @@ def _time_memcpy(dst: np.ndarray, src: np.ndarray, n: int, reps: int) -> float:
     return statistics.median(times)
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _time_process_vm_readv(pid: int, remote_base: int, dst: np.ndarray, block_nbytes: int,
+                           remote: list[int], local: list[int]) -> float:
+    """One process_vm_readv sweep of the same blocks: the kernel's cross-process copy."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    n = len(remote)
+    liov = (_IoVec * n)(*[_IoVec(int(dst.ctypes.data) + b * block_nbytes, block_nbytes) for b in local])
+    riov = (_IoVec * n)(*[_IoVec(remote_base + b * block_nbytes, block_nbytes) for b in remote])
+    t0 = time.perf_counter()
+    done = 0
+    for k in range(0, n, 512):
+        m = min(512, n - k)
+        got = libc.process_vm_readv(pid, ctypes.byref(liov, k * ctypes.sizeof(_IoVec)), m,
+                                    ctypes.byref(riov, k * ctypes.sizeof(_IoVec)), m, 0)
+        if got < 0:
+            raise OSError(ctypes.get_errno(), "process_vm_readv")
+        done += got
+    dt = time.perf_counter() - t0
+    if done != n * block_nbytes:
+        raise OSError("short process_vm_readv")
+    return dt
+
+
 def _reps(n: int) -> int:
     return 200 if n == 1 else 50 if n <= 16 else 10 if n <= 256 else 3
 
@@ -85,7 +115,7 @@ def run_backend(backend: str, layout: KVLayout, sizes: list[int], pool_blocks: i
                        daemon=True)
     proc.start()
     try:
-        info = conn.recv()
+        info, remote_base = conn.recv()
         recv = make_receiver(recv_pool, layout, KVTransferConfig(backend=backend))
         results = {}
         for label, n in [(str(n), n) for n in sizes] + [("prompt", PROMPT_TOKENS // layout.block_size)]:
@@ -108,6 +138,13 @@ def run_backend(backend: str, layout: KVLayout, sizes: list[int], pool_blocks: i
             nbytes = n * layout.block_nbytes
             results[label] = {"blocks": n, "bytes": nbytes, "reps": reps, "median_s": med,
                               "min_s": min(times), "gb_per_s": nbytes / med / 1e9}
+            try:
+                cma = statistics.median(
+                    _time_process_vm_readv(proc.pid, remote_base, recv_pool, layout.block_nbytes,
+                                           remote, local) for _, remote, local in plan[2:])
+                results[label]["process_vm_readv_gb_per_s"] = nbytes / cma / 1e9
+            except OSError as e:
+                results[label]["process_vm_readv_error"] = repr(e)
         recv.close()
         conn.send(None)
         leak = conn.recv()
@@ -148,12 +185,16 @@ def main() -> None:
             out["backends"][backend] = {"error": repr(e)}
     print(f"kv_transfer benchmark: {args.dtype}, block = {layout.block_nbytes:,} bytes "
           f"(SmolLM2-135M, 16 tokens), random non-contiguous block ids, median of reps")
-    head = f"{'blocks':>8} {'MB':>9} {'memcpy GB/s':>12}"
+    head = f"{'blocks':>8} {'MB':>9} {'memcpy GB/s':>12} {'pvm_readv':>10}"
     for b in out["backends"]:
         head += f" {b + ' GB/s':>10} {b + ' ms':>10} {'%memcpy':>8}"
     print(head)
     for label, m in memcpy.items():
-        row = f"{(label if label != 'prompt' else '2048tok'):>8} {m['bytes'] / 1e6:>9.2f} {m['gb_per_s']:>12.2f}"
+        pvr = [r[label].get("process_vm_readv_gb_per_s") for r in out["backends"].values()
+               if "error" not in r]
+        pvr = [v for v in pvr if v]
+        row = (f"{(label if label != 'prompt' else '2048tok'):>8} {m['bytes'] / 1e6:>9.2f} "
+               f"{m['gb_per_s']:>12.2f} {(f'{max(pvr):.2f}' if pvr else 'n/a'):>10}")
         for b, res in out["backends"].items():
             if "error" in res:
                 row += f" {'n/a':>10} {'n/a':>10} {'':>8}"
