@@ -59,5 +59,5 @@ class TorchPagedAttention(AttentionBackend):
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """[N, bs, H, D] cache, [B, nb] tables -> [B, nb * bs, H, D]."""
-    blocks = cache[tables]
-    return blocks.reshape(tables.shape[0], -1, cache.shape[2], cache.shape[3])
+    blocks = torch.index_select(cache, 0, tables.reshape(-1))
+    return blocks.view(tables.shape[0], -1, cache.shape[2], cache.shape[3])

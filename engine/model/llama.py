@@ -29,10 +29,11 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    """RMSNorm. In float32 exactly as transformers computes it; otherwise torch's fused kernel."""
+    if x.dtype != torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h
 
 
 class LlamaModel:
@@ -63,14 +64,14 @@ class LlamaModel:
         cfg = self.config
         x = F.embedding(input_ids, self.embed)
         num_tokens = input_ids.shape[0]
+        cos, sin = self.rotary.lookup(positions)
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, w.qkv, w.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = self.rotary.apply(qk.view(num_tokens, -1, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self.rotary.apply(q, k, positions)
             attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
             x = x + F.linear(attn.reshape(num_tokens, self.q_size), w.o_proj)
             h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
