@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 BACKENDS = ("auto", "nixl", "tcp")
 
@@ -18,7 +19,8 @@ class KVTransferConfig:
     port: int = 0
     """Port of the sender's control listener; 0 picks a free one."""
     advertise_host: str | None = None
-    """Host written into the peer info handed to receivers (default: ``host``)."""
+    """Host written into the peer info handed to receivers (default: ``host``, or the
+    primary address when ``host`` is ``0.0.0.0``); set it behind NAT / in Kubernetes."""
     default_timeout_s: float = 30.0
     """Deadline of a transfer when the caller gives none (seconds from creation)."""
     connect_timeout_s: float = 5.0
@@ -52,7 +54,22 @@ class KVTransferConfig:
 
     @property
     def public_host(self) -> str:
-        """Host receivers should connect to."""
+        """Host receivers should connect to: ``advertise_host``, else ``host``, else
+        (when bound to all interfaces) this machine's primary address."""
         if self.advertise_host:
             return self.advertise_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        if self.host not in ("0.0.0.0", "::"):
+            return self.host
+        return _primary_address()
+
+
+def _primary_address() -> str:
+    """Address of the interface holding the default route (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.254.254.254", 1))
+        return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()

@@ -198,7 +198,7 @@ class NixlSender(ControlSender):
     """Registers the KV pool with NIXL; receivers READ it after a grant."""
 
     backend_name = "nixl"
-    ack_done = True
+    modes = ("nixl", "tcp")
 
     def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
         region = KVRegion.from_buffer(kv_cache, layout)  # validate before the costly agent
@@ -217,7 +217,9 @@ class NixlSender(ControlSender):
         """See :meth:`NixlAgent.self_test`."""
         self.nixl.self_test()
 
-    def _hello_extra(self) -> tuple[dict, bytes]:
+    def _hello_extra(self, mode: str) -> tuple[dict, bytes]:
+        if mode != "nixl":
+            return {}, b""
         r = self.region
         self._pump.keep_alive_for(2.0)  # the receiver's UCX wire-up needs our progress
         return ({"agent_name": self.nixl.name, "base_addr": r.addr, "mem_type": _mem_type(r),
@@ -300,7 +302,7 @@ class NixlReceiver(ControlReceiver):
     """READs granted blocks from the sender's registered pool."""
 
     backend_name = "nixl"
-    ack_done = True
+    modes = ("nixl", "tcp")
 
     def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
         super().__init__(kv_cache, layout, config)

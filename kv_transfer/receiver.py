@@ -27,6 +27,7 @@ from .config import KVTransferConfig
 from .errors import IncompatiblePeerError, TransferRefusedError
 from .layout import PROTOCOL_VERSION, KVLayout
 from .memory import KVRegion
+from .tcp_path import pull_blocks
 from .transfer import Transfer, TransferTable
 from .wire import recv_msg, send_msg, tune_socket
 
@@ -36,8 +37,9 @@ logger = logging.getLogger("pdserve.kv_transfer")
 class PeerLink:
     """Control connection + worker thread for one sender instance."""
 
-    def __init__(self, owner: "ControlReceiver", peer_info: dict[str, Any]) -> None:
+    def __init__(self, owner: "ControlReceiver", peer_info: dict[str, Any], mode: str) -> None:
         self.owner = owner
+        self.mode = mode
         self.host = str(peer_info["host"])
         self.port = int(peer_info["port"])
         self.instance_id = peer_info.get("instance_id")
@@ -112,7 +114,7 @@ class PeerLink:
             tune_socket(sock, self.owner.config.socket_buffer_bytes)
             layout = self.owner.layout
             send_msg(sock, {"type": "hello", "version": PROTOCOL_VERSION,
-                            "backend": self.owner.backend_name,
+                            "backend": self.mode,
                             "compat_hash": layout.compat_hash(), "layout": layout.to_dict()})
             hello, payload = recv_msg(sock)
             if hello.get("type") == "refuse":
@@ -122,7 +124,8 @@ class PeerLink:
             if self.instance_id and hello.get("instance_id") != self.instance_id:
                 raise IncompatiblePeerError(
                     "sender restarted (instance id changed): its KV handle is stale")
-            self.owner._on_connected(self, hello, payload)
+            if self.mode != "tcp":
+                self.owner._on_connected(self, hello, payload)
         except BaseException:
             sock.close()
             raise
@@ -144,10 +147,11 @@ class PeerLink:
             t.fail(f"remote block id out of range [0, {self.hello['num_blocks']})")
             self._send_abort(t)
             return
+        t.set_interrupt(lambda _t: self.interrupt())
         if not t.begin_io():
+            t.set_interrupt(None)
             self._send_abort(t)
             return
-        t.set_interrupt(lambda _t: self.interrupt())
         error: Optional[str] = None
         nbytes = 0
         try:
@@ -160,9 +164,12 @@ class PeerLink:
             if reply.get("type") != "grant" or reply.get("tid") != t.transfer_id:
                 raise ConnectionError(f"unexpected reply {reply}")
             t.set_transferring()
-            nbytes = self.owner._pull(self, t, reply)
+            if self.mode == "tcp":
+                nbytes = pull_blocks(sock, self.owner.region, t, reply)
+            else:
+                nbytes = self.owner._pull(self, t, reply)
             send_msg(sock, {"type": "done", "tid": t.transfer_id})
-            if self.owner.ack_done:
+            if self.mode != "tcp":
                 ack, _ = recv_msg(sock)
                 if ack.get("type") != "ack" or ack.get("tid") != t.transfer_id:
                     raise ConnectionError(f"unexpected reply {ack}")
@@ -184,12 +191,12 @@ class PeerLink:
 
     def _send_abort(self, t: Transfer) -> None:
         if self.sock is None:
+            if t.remaining() <= 0:
+                return  # expired: the sender's own lease deadline frees it
             try:
-                self._connect(t) if t.remaining() > 0 else None
+                self._connect(t)
             except Exception:
                 return
-        if self.sock is None:
-            return
         try:
             send_msg(self.sock, {"type": "abort", "tid": t.transfer_id, "reason": t.error or ""})
         except OSError:
@@ -199,8 +206,8 @@ class PeerLink:
 class ControlReceiver(KVReceiver):
     """Links to senders + the transfer table; subclasses pull the bytes."""
 
-    #: Must match the sender's ``ack_done``.
-    ack_done = False
+    #: Data paths this receiver can use, preferred first (see ``ControlSender.modes``).
+    modes: tuple[str, ...] = ("tcp",)
 
     def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
         self.config = config
@@ -217,7 +224,7 @@ class ControlReceiver(KVReceiver):
         """Handshake succeeded: set up backend state for this peer."""
 
     def _pull(self, link: PeerLink, t: Transfer, grant: dict) -> int:
-        """Move the granted blocks into ``t``'s local blocks; returns bytes moved."""
+        """Non-tcp mode: move the granted blocks into ``t``'s local blocks; returns bytes."""
         raise NotImplementedError
 
     def _forget_peer(self, link: PeerLink) -> None:
@@ -235,9 +242,7 @@ class ControlReceiver(KVReceiver):
              timeout_s: Optional[float] = None) -> Transfer:
         if self._closed:
             raise RuntimeError("receiver is closed")
-        if peer_info.get("backend") != self.backend_name:
-            raise ValueError(f"peer uses backend {peer_info.get('backend')!r}, "
-                             f"this receiver {self.backend_name!r}")
+        mode = self._mode_for(peer_info)
         local = self.region.check_ids(local_block_ids, f"read({transfer_id!r}) local")
         remote = [int(b) for b in remote_block_ids]
         if len(remote) != len(local):
@@ -249,7 +254,7 @@ class ControlReceiver(KVReceiver):
                      self.config.abort_wait_s, on_finish=self._table.finished)
         t.remote_block_ids = remote
         self._table.add(t)
-        self._link_for(peer_info).submit(t)
+        self._link_for(peer_info, mode).submit(t)
         return t
 
     def stats(self) -> dict[str, int]:
@@ -280,16 +285,26 @@ class ControlReceiver(KVReceiver):
             thread.join(timeout=10)
         self._close_backend()
 
-    def _link_for(self, peer_info: dict[str, Any]) -> PeerLink:
+    def _mode_for(self, peer_info: dict[str, Any]) -> str:
+        """First of our modes the peer serves (tcp only for CPU memory)."""
+        offered = peer_info.get("modes") or [peer_info.get("backend")]
+        for mode in self.modes:
+            if mode in offered and not (mode == "tcp" and self.region.is_cuda):
+                return mode
+        raise ValueError(f"no common data path: peer serves {offered}, this receiver "
+                         f"{list(self.modes)}{' (CUDA pool)' if self.region.is_cuda else ''}")
+
+    def _link_for(self, peer_info: dict[str, Any], mode: str) -> PeerLink:
         key = (str(peer_info["host"]), int(peer_info["port"]))
         stale = None
         with self._lock:
             link = self._links.get(key)
-            if link is not None and link.instance_id != peer_info.get("instance_id"):
+            if link is not None and (link.instance_id != peer_info.get("instance_id")
+                                     or link.mode != mode):
                 stale, link = link, None  # the sender restarted on the same address
                 del self._links[key]
             if link is None:
-                link = self._links[key] = PeerLink(self, peer_info)
+                link = self._links[key] = PeerLink(self, peer_info, mode)
         if stale is not None:
             logger.info("sender %s:%s restarted; dropping the old link", *key)
             closer = threading.Thread(target=stale.close, daemon=True)

@@ -28,6 +28,7 @@ from .config import KVTransferConfig
 from .layout import PROTOCOL_VERSION, KVLayout
 from .memory import KVRegion
 from .state import TransferState
+from .tcp_path import serve_blocks
 from .transfer import Transfer, TransferTable
 from .wire import PeerClosed, recv_msg, send_msg, tune_socket
 
@@ -37,9 +38,10 @@ logger = logging.getLogger("pdserve.kv_transfer")
 class ControlSender(KVSender):
     """Listener + handshake + leases; subclasses move the bytes."""
 
-    #: Whether ``done`` is answered with an ``ack`` (needed when the receiver
-    #: reads memory on its own and must learn that the lease held).
-    ack_done = False
+    #: Data paths this sender serves, native first. ``"tcp"`` streams on the
+    #: control connection; any other mode lets the receiver read the memory on
+    #: its own, so its ``done`` is answered with an ``ack`` (did the lease hold?).
+    modes: tuple[str, ...] = ("tcp",)
 
     def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
         self.config = config
@@ -57,12 +59,12 @@ class ControlSender(KVSender):
         self._accept_thread.start()
 
     # -- hooks for backends --------------------------------------------------
-    def _hello_extra(self) -> tuple[dict, bytes]:
-        """Backend fields (and payload) added to ``hello_ok``."""
+    def _hello_extra(self, mode: str) -> tuple[dict, bytes]:
+        """Backend fields (and payload) added to ``hello_ok`` for a ``mode`` connection."""
         return {}, b""
 
     def _serve_grant(self, sock: socket.socket, t: Transfer, block_ids: list[int]) -> None:
-        """Move the data after ``grant`` (TCP streams it); default: nothing."""
+        """After ``grant`` on a non-tcp connection (the receiver reads by itself)."""
 
     def _backend_stats(self) -> dict[str, int]:
         return {}
@@ -74,6 +76,7 @@ class ControlSender(KVSender):
     def peer_info(self) -> dict[str, Any]:
         return {
             "backend": self.backend_name,
+            "modes": list(self.modes),
             "host": self.config.public_host,
             "port": self.port,
             "instance_id": self.instance_id,
@@ -144,8 +147,10 @@ class ControlSender(KVSender):
         if hello.get("version") != PROTOCOL_VERSION:
             return (f"protocol version mismatch: sender speaks {PROTOCOL_VERSION}, "
                     f"receiver {hello.get('version')!r}")
-        if hello.get("backend") != self.backend_name:
-            return f"backend mismatch: sender {self.backend_name}, receiver {hello.get('backend')!r}"
+        if hello.get("backend") not in self.modes:
+            return f"backend mismatch: sender serves {list(self.modes)}, receiver asks {hello.get('backend')!r}"
+        if hello.get("backend") == "tcp" and self.region.is_cuda:
+            return "the tcp data path cannot serve CUDA memory"
         if hello.get("compat_hash") != self.layout.compat_hash():
             try:
                 detail = self.layout.describe_mismatch(KVLayout.from_dict(hello["layout"]))
@@ -164,7 +169,8 @@ class ControlSender(KVSender):
                 logger.warning("refusing receiver: %s", problem)
                 send_msg(sock, {"type": "refuse", "reason": problem})
                 return
-            extra, payload = self._hello_extra()
+            mode = hello["backend"]
+            extra, payload = self._hello_extra(mode)
             send_msg(sock, {"type": "hello_ok", "instance_id": self.instance_id,
                             "num_blocks": self.region.num_blocks,
                             "block_nbytes": self.region.block_nbytes, **extra}, payload)
@@ -173,11 +179,11 @@ class ControlSender(KVSender):
                 msg, _ = recv_msg(sock)
                 kind, tid = msg.get("type"), str(msg.get("tid"))
                 if kind == "read":
-                    self._handle_read(sock, tid, msg.get("blocks", []), granted)
+                    self._handle_read(sock, tid, msg.get("blocks", []), granted, mode)
                 elif kind == "done":
                     t = granted.pop(tid, None)
                     ok = t is not None and t.succeed(t.granted_nbytes)
-                    if self.ack_done:
+                    if mode != "tcp":
                         reason = "" if ok else (t.error if t is not None else "transfer not granted")
                         send_msg(sock, {"type": "ack", "tid": tid, "ok": ok, "reason": reason})
                 elif kind == "abort":
@@ -198,7 +204,7 @@ class ControlSender(KVSender):
                 self._conns.pop(sock, None)
 
     def _handle_read(self, sock: socket.socket, tid: str, blocks: list,
-                     granted: dict[str, Transfer]) -> None:
+                     granted: dict[str, Transfer], mode: str) -> None:
         t = self._table.get(tid)
         reason = None
         if t is None:
@@ -221,7 +227,10 @@ class ControlSender(KVSender):
         granted[tid] = t
         ids = [int(b) for b in blocks]
         send_msg(sock, {"type": "grant", "tid": tid, "nbytes": len(ids) * self.region.block_nbytes})
-        self._serve_grant(sock, t, ids)
+        if mode == "tcp":
+            serve_blocks(sock, self.region, t, ids)
+        else:
+            self._serve_grant(sock, t, ids)
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -33,7 +33,12 @@ class Peer:
         self.proc = ctx.Process(target=run_peer, args=(child, spec, self.stalled, self.unstall),
                                 daemon=True)
         self.proc.start()
-        hello = self._reply(120)
+        child.close()
+        try:
+            hello = self._reply(120)
+        except BaseException:
+            self.kill()
+            raise
         self.peer_info = hello["peer_info"]
         self.backend = hello["backend"]
 

@@ -49,8 +49,8 @@ def _install_fault(fault: str, stalled, unstall) -> None:
         unstall.wait(60)
 
     if fault == "stall_tcp_send":  # stall halfway through streaming the blocks
-        import kv_transfer.tcp_backend as tb
-        orig = tb.send_views
+        import kv_transfer.tcp_path as tp
+        orig = tp.send_views
 
         def send_views(sock, views, should_stop=None):
             flat = [v[i:i + 65536] for v in views for i in range(0, v.nbytes, 65536)]
@@ -58,7 +58,7 @@ def _install_fault(fault: str, stalled, unstall) -> None:
             n = orig(sock, flat[:half], should_stop)
             stall()
             return n + orig(sock, flat[half:], should_stop)
-        tb.send_views = send_views
+        tp.send_views = send_views
     elif fault == "stall_after_grant":  # grant served, then the connection thread hangs
         from kv_transfer.sender import ControlSender
         orig_grant = ControlSender._handle_read
@@ -68,15 +68,20 @@ def _install_fault(fault: str, stalled, unstall) -> None:
             stall()
         ControlSender._handle_read = handle_read
     elif fault == "stall_in_pull":  # receiver hangs while pulling
-        import kv_transfer.tcp_backend as tb
+        import kv_transfer.receiver as rc
         import kv_transfer.nixl_backend as nb
-        for cls in (tb.TcpReceiver, nb.NixlReceiver):
-            orig_pull = cls._pull
+        orig_tcp_pull = rc.pull_blocks
 
-            def pull(self, link, t, grant, _orig=orig_pull):
-                stall()
-                return _orig(self, link, t, grant)
-            cls._pull = pull
+        def tcp_pull(*a, **k):
+            stall()
+            return orig_tcp_pull(*a, **k)
+        rc.pull_blocks = tcp_pull
+        orig_nixl_pull = nb.NixlReceiver._pull
+
+        def nixl_pull(self, *a, **k):
+            stall()
+            return orig_nixl_pull(self, *a, **k)
+        nb.NixlReceiver._pull = nixl_pull
     elif fault:
         raise ValueError(f"unknown fault {fault}")
 

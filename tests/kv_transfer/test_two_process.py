@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, assert_no_leak
+from conftest import BACKENDS, HAVE_NIXL, assert_no_leak
 from peers import SMOLLM2, block_digest, make_pool
 from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
 
@@ -260,5 +260,23 @@ def test_thousand_small_transfers_no_leak(backend, peers, thread_guard):
     assert_no_leak(recv.stats())
     assert_no_leak(sender.call("stats"))
     assert elapsed < 30, elapsed
+    _close_and_check(recv)
+    sender.close_and_check()
+
+
+@pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed")
+@pytest.mark.parametrize("sender_backend,receiver_backend", [("nixl", "tcp"), ("tcp", "nixl")])
+def test_mixed_backends_meet_on_tcp(sender_backend, receiver_backend, peers, thread_guard):
+    """A NIXL side and a TCP-only side (e.g. auto fell back on one host) still exchange blocks."""
+    sender = peers("sender", sender_backend, num_blocks=16, seed=1)
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(receiver_backend, layout, num_blocks=16)
+    sender.call("expect", "m", [3, 9, 4], 30)
+    t = recv.read(sender.peer_info, "m", [3, 9, 4], [0, 5, 1], timeout_s=30)
+    assert t.wait(30) == TransferState.DONE, t.error
+    assert sender.call("wait", "m", 10) == (DONE, None)
+    assert (block_digest(pool, layout.block_nbytes, [0, 5, 1])
+            == block_digest(make_pool(layout, 16, 1), layout.block_nbytes, [3, 9, 4]))
+    assert recv.stats().get("remote_agents", 0) == 0  # no NIXL state for a tcp-mode peer
     _close_and_check(recv)
     sender.close_and_check()

@@ -30,7 +30,8 @@ def test_config_validated():
         KVTransferConfig(port=70000)
     with pytest.raises(ValueError):
         KVTransferConfig(default_timeout_s=0)
-    assert KVTransferConfig(host="0.0.0.0").public_host == "127.0.0.1"
+    assert KVTransferConfig(host="0.0.0.0").public_host not in ("0.0.0.0", "")
+    assert KVTransferConfig(host="0.0.0.0", advertise_host="pod-1").public_host == "pod-1"
 
 
 def test_layout_hash_covers_every_field():
@@ -85,8 +86,8 @@ def test_read_argument_validation(thread_guard):
             r.read(info, "x", [0, 1], [2, 2])
         with pytest.raises(ValueError, match="remote block ids but"):
             r.read(info, "x", [0, 1], [2])
-        with pytest.raises(ValueError, match="backend"):
-            r.read({**info, "backend": "nixl"}, "x", [0], [0])
+        with pytest.raises(ValueError, match="no common data path"):
+            r.read({**info, "backend": "nixl", "modes": ["nixl"]}, "x", [0], [0])
         assert_no_leak(r.stats())
 
 
