@@ -280,3 +280,33 @@ def test_mixed_backends_meet_on_tcp(sender_backend, receiver_backend, peers, thr
     assert recv.stats().get("remote_agents", 0) == 0  # no NIXL state for a tcp-mode peer
     _close_and_check(recv)
     sender.close_and_check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_queued_reads_and_abort_while_queued(backend, peers, thread_guard):
+    """Reads to one sender queue in order; aborting a queued one frees it on both sides."""
+    sender = peers("sender", backend, seed=1, fault=STALL[backend])
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout)
+    plans = {f"q{i}": ([2 * i, 2 * i + 1], [40 + 2 * i, 41 + 2 * i]) for i in range(4)}
+    sender.call("expect_many", [(tid, remote) for tid, (remote, _) in plans.items()], 30)
+    ts = {tid: recv.read(sender.peer_info, tid, remote, local, timeout_s=30)
+          for tid, (remote, local) in plans.items()}
+    assert sender.stalled.wait(20)  # q0 is held up at the sender; q1..q3 wait behind it
+    assert ts["q1"].poll() == TransferState.WAITING
+    assert ts["q1"].abort() == TransferState.FAILED
+    assert recv.stats()["in_flight"] == 3
+    sender.call("unstall")
+    for tid in ("q0", "q2", "q3"):
+        assert ts[tid].wait(30) == TransferState.DONE, (tid, ts[tid].error)
+    states = sender.call("wait_all", 10)
+    assert states["q1"][0] == FAILED and "receiver aborted" in states["q1"][1]
+    assert all(states[tid] == (DONE, None) for tid in ("q0", "q2", "q3"))
+    src = make_pool(layout, 64, 1)
+    for tid in ("q0", "q2", "q3"):
+        remote, local = plans[tid]
+        assert (block_digest(pool, layout.block_nbytes, local)
+                == block_digest(src, layout.block_nbytes, remote))
+    assert_no_leak(recv.stats())
+    _close_and_check(recv)
+    sender.close_and_check()
