@@ -195,6 +195,8 @@ class ControlSender(KVSender):
         except (PeerClosed, OSError, ValueError, InterruptedError) as e:
             if granted:
                 logger.info("receiver connection lost with %d transfers granted: %s", len(granted), e)
+        except Exception:  # a malformed message: drop this connection, keep serving others
+            logger.exception("closing a receiver connection after an unexpected error")
         finally:
             for t in granted.values():
                 t.request_stop("receiver connection lost")

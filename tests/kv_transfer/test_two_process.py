@@ -7,6 +7,7 @@ leak check on both sides.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -28,6 +29,11 @@ def _local(backend, layout, num_blocks=64, seed=2, role="receiver", lib="numpy")
 def _close_and_check(side):
     side.close()
     assert_no_leak(side.stats(), closed=True)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _wait_state(t, state, timeout=10.0):
@@ -243,16 +249,19 @@ def test_sender_abort_and_expiry_refuse_later_reads(backend, peers, thread_guard
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_thousand_small_transfers_no_leak(backend, peers, thread_guard):
-    sender = peers("sender", backend, num_blocks=32, seed=1, block_size=1, num_layers=2)
+    sender = peers("sender", backend, num_blocks=32, seed=1, dtype="bfloat16")
     layout = KVLayout(**sender.layout)
     pool, recv = _local(backend, layout, num_blocks=32)
     n = 1000
     sender.call("expect_many", [(f"t{i}", [i % 32]) for i in range(n)], 60)
     start = time.monotonic()
     for i in range(n):
+        if i == 100:
+            rss_warm = _rss_bytes()
         t = recv.read(sender.peer_info, f"t{i}", [i % 32], [(i * 7) % 32], timeout_s=30)
         assert t.wait(30) == TransferState.DONE, t.error
     elapsed = time.monotonic() - start
+    assert _rss_bytes() - rss_warm < 16 << 20, "receiver memory grows with transfers"
     states = sender.call("wait_all", 10)
     assert all(s == (DONE, None) for s in states.values()) and len(states) == n
     assert recv.stats()["transfers_done"] == n
