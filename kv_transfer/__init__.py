@@ -8,7 +8,7 @@ from .base import KVReceiver, KVSender
 from .config import KVTransferConfig
 from .errors import (BackendUnavailableError, IncompatiblePeerError, KVTransferError,
                      TransferRefusedError)
-from .factory import make_receiver, make_sender, select_backend
+from .factory import make_receiver, make_sender
 from .layout import PROTOCOL_VERSION, KVLayout
 from .state import TransferState
 from .transfer import Transfer
@@ -16,5 +16,5 @@ from .transfer import Transfer
 __all__ = [
     "BackendUnavailableError", "IncompatiblePeerError", "KVLayout", "KVReceiver", "KVSender",
     "KVTransferConfig", "KVTransferError", "PROTOCOL_VERSION", "Transfer", "TransferRefusedError",
-    "TransferState", "make_receiver", "make_sender", "select_backend",
+    "TransferState", "make_receiver", "make_sender",
 ]

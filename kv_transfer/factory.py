@@ -29,17 +29,6 @@ def make_receiver(kv_cache: Any, layout: KVLayout,
     return _make("receiver", kv_cache, layout, config or KVTransferConfig())
 
 
-def select_backend(config: KVTransferConfig) -> str:
-    """Backend ``auto`` would pick here, without keeping any agent (slow: builds one)."""
-    if config.backend != "auto":
-        return config.backend
-    import numpy as np
-    layout = KVLayout("self-test", "uint8", 1, 1, 1, 4096)
-    side = make_receiver(np.zeros(layout.shape(2), np.uint8), layout, config)
-    side.close()
-    return side.backend_name
-
-
 def _make(role: str, kv_cache: Any, layout: KVLayout, config: KVTransferConfig):
     from .tcp_backend import TcpReceiver, TcpSender
     if config.backend == "tcp":

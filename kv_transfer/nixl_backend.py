@@ -55,7 +55,12 @@ class NixlSender(ControlSender):
             self.nixl.close()
             raise
         self._pump = ProgressPump(self.nixl, active=not config.nixl_progress_thread)
-        super().__init__(kv_cache, layout, config)
+        try:
+            super().__init__(kv_cache, layout, config)
+        except Exception:  # e.g. the port is taken
+            self._pump.close()
+            self.nixl.close()
+            raise
 
     def self_test(self) -> None:
         """See :meth:`NixlAgent.self_test`."""

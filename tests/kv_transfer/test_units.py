@@ -126,3 +126,26 @@ def test_sender_restart_drops_stale_peer(backend, thread_guard):
     for side in (r, s2):
         side.close()
         assert_no_leak(side.stats(), closed=True)
+
+
+@pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed")
+def test_auto_falls_back_to_tcp_when_self_test_fails(monkeypatch, caplog, thread_guard):
+    import kv_transfer.nixl_agent as na
+    built = []
+    orig_init = na.NixlAgent.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        built.append(self)
+
+    def broken_self_test(self):
+        raise RuntimeError("loopback transfer ended in state ERR")
+    monkeypatch.setattr(na.NixlAgent, "__init__", init)
+    monkeypatch.setattr(na.NixlAgent, "self_test", broken_self_test)
+    caplog.set_level(logging.INFO, logger="pdserve.kv_transfer")
+    pool = np.zeros(LAYOUT.shape(2), np.float32)
+    with make_receiver(pool, LAYOUT, KVTransferConfig(backend="auto")) as r:
+        assert r.backend_name == "tcp"
+        assert "self-test failed" in r.selection and "state ERR" in r.selection
+    assert any("backend tcp (nixl self-test failed" in rec.getMessage() for rec in caplog.records)
+    assert built and all(a.agent is None and not a.registered for a in built)  # NIXL side freed
