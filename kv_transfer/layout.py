@@ -67,6 +67,18 @@ class KVLayout:
         """Shape of a ``kv_cache`` tensor with ``num_blocks`` blocks."""
         return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
+    @classmethod
+    def of_kv_cache(cls, kv_cache: object, model_id: str) -> "KVLayout":
+        """Layout of an engine's ``kv_cache`` tensor (or numpy array) of shape
+        ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+        shape = tuple(int(d) for d in kv_cache.shape)
+        if len(shape) != 6 or shape[2] != 2:
+            raise ValueError(f"kv_cache shape {shape} is not [num_blocks, num_layers, 2, "
+                             "block_size, num_kv_heads, head_dim]")
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        return cls(model_id=model_id, dtype=dtype, block_size=shape[3], num_layers=shape[1],
+                   num_kv_heads=shape[4], head_dim=shape[5])
+
     def to_dict(self) -> dict:
         """Plain dict (JSON-able)."""
         return dataclasses.asdict(self)

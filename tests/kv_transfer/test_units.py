@@ -47,6 +47,16 @@ def test_layout_hash_covers_every_field():
         KVLayout(**{**LAYOUT.to_dict(), "layout": "layer_major"})
 
 
+def test_layout_of_engine_kv_cache():
+    torch = pytest.importorskip("torch")
+    kv = torch.zeros((5, 30, 2, 16, 3, 64), dtype=torch.bfloat16)
+    layout = KVLayout.of_kv_cache(kv, SMOLLM2["model_id"])
+    assert layout == KVLayout(dtype="bfloat16", **SMOLLM2)
+    assert KVLayout.of_kv_cache(np.zeros((1, 30, 2, 16, 3, 64), np.float32), "m").dtype == "float32"
+    with pytest.raises(ValueError):
+        KVLayout.of_kv_cache(torch.zeros((5, 30, 16, 3, 64)), "m")
+
+
 def test_transfer_moves_forward_only():
     t = Transfer("t", "receiver", [1], timeout_s=10)
     assert t.poll() == TransferState.WAITING
