@@ -119,9 +119,10 @@ class Transfer:
         return self.deadline - time.monotonic()
 
     def set_transferring(self) -> bool:
-        """WAITING -> TRANSFERRING; False if the transfer is already terminal."""
+        """WAITING -> TRANSFERRING; False unless it was WAITING (and not being stopped)."""
         with self._lock:
-            if self._state.is_terminal or self._stop_reason is not None:
+            if (self._state != TransferState.WAITING or self._stop_reason is not None
+                    or self._finishing):
                 return False
             self._state = TransferState.TRANSFERRING
             return True
@@ -129,7 +130,7 @@ class Transfer:
     def begin_io(self) -> bool:
         """Mark that a backend starts touching the blocks; False if it must not."""
         with self._lock:
-            if self._state.is_terminal or self._stop_reason is not None:
+            if self._state.is_terminal or self._stop_reason is not None or self._finishing:
                 return False
             self._busy = True
             self._idle.clear()
@@ -147,7 +148,7 @@ class Transfer:
     def request_stop(self, reason: str, interrupt: bool = False) -> None:
         """Ask to fail; immediate when no I/O runs, else after ``end_io``."""
         with self._lock:
-            if self._state.is_terminal:
+            if self._state.is_terminal or self._finishing:
                 return
             if self._stop_reason is None:
                 self._stop_reason = reason
