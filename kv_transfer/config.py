@@ -27,8 +27,8 @@ class KVTransferConfig:
     """Cap on connecting + handshaking with a peer."""
     abort_wait_s: float = 2.0
     """How long ``abort()`` waits for a backend thread to stop touching the blocks."""
-    socket_buffer_bytes: int = 4 << 20
-    """SO_SNDBUF / SO_RCVBUF asked for on data sockets."""
+    socket_buffer_bytes: int = 0
+    """SO_SNDBUF / SO_RCVBUF asked for on data sockets; 0 leaves them to kernel autotuning."""
     nixl_backends: tuple[str, ...] = ("UCX",)
     """NIXL backend plugins to create in the agent."""
     nixl_progress_thread: bool = False
@@ -46,8 +46,8 @@ class KVTransferConfig:
         for name in ("default_timeout_s", "connect_timeout_s", "abort_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.socket_buffer_bytes < 4096:
-            raise ValueError("socket_buffer_bytes must be >= 4096")
+        if self.socket_buffer_bytes != 0 and self.socket_buffer_bytes < 4096:
+            raise ValueError("socket_buffer_bytes must be 0 (kernel autotuning) or >= 4096")
         if not self.nixl_backends:
             raise ValueError("nixl_backends must name at least one backend")
         object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))

@@ -92,6 +92,8 @@ def recv_into_views(sock: socket.socket, views: list[memoryview], should_stop=No
 def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
     """TCP_NODELAY and large kernel buffers."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not buffer_bytes:
+        return
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
