@@ -1,6 +1,6 @@
 """In-process tests of the pieces: config, layout hash, state machine, validation,
 backend selection and sender restart. Fast; the data path is covered by
-test_two_process.py."""
+test_kv_transfer_two_process.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, HAVE_NIXL, assert_no_leak
-from peers import SMOLLM2, make_pool
+from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
+from .peers import SMOLLM2, make_pool
 from kv_transfer import (KVLayout, KVTransferConfig, Transfer, TransferState, make_receiver,
                          make_sender)
 

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, HAVE_NIXL, assert_no_leak
-from peers import SMOLLM2, block_digest, make_pool
+from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
+from .peers import SMOLLM2, block_digest, make_pool
 from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
 
 DONE, FAILED, TRANSFERRING = int(TransferState.DONE), int(TransferState.FAILED), int(TransferState.TRANSFERRING)

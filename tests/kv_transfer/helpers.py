@@ -1,0 +1,88 @@
+"""Helpers of the kv_transfer tests: backends, child-process peers, leak checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+from .peers import SMOLLM2, run_peer
+
+HAVE_NIXL = importlib.util.find_spec("nixl") is not None
+BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed"))]
+
+
+class Peer:
+    """Handle on a child process hosting one kv_transfer side."""
+
+    def __init__(self, role: str, backend: str, num_blocks: int = 64, seed: int = 1,
+                 fault: str = "", dtype: str = "float32", lib: str = "numpy", **layout_overrides):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.stalled, self.unstall = ctx.Event(), ctx.Event()
+        self.layout = {**SMOLLM2, "dtype": dtype, **layout_overrides}
+        spec = dict(role=role, backend=backend, num_blocks=num_blocks, seed=seed, fault=fault,
+                    layout=self.layout, lib=lib)
+        self.proc = ctx.Process(target=run_peer, args=(child, spec, self.stalled, self.unstall),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        try:
+            hello = self._reply(120)
+        except BaseException:
+            self.kill()
+            raise
+        self.peer_info = hello["peer_info"]
+        self.backend = hello["backend"]
+
+    def _reply(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("peer process did not answer")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer error:\n{value}")
+        return value
+
+    def call(self, *cmd, timeout: float = 60):
+        """Send a command and return its result."""
+        self.conn.send(cmd)
+        return self._reply(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the child."""
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+        self.conn.close()
+
+    def close_and_check(self) -> dict:
+        """Close the side in the child, assert nothing leaked there, stop the child."""
+        stats = self.call("close")
+        assert_no_leak(stats, closed=True)
+        self.conn.close()
+        self.proc.join(10)
+        return stats
+
+
+def assert_no_leak(stats: dict, closed: bool = False) -> None:
+    """Nothing in flight; after close also nothing registered, prepared or connected."""
+    assert stats["in_flight"] == 0, stats
+    assert stats.get("nixl_xfers", 0) == 0, stats
+    if closed:
+        for key in ("registered_regions", "prepped_dlists", "remote_agents", "connections", "links"):
+            assert stats.get(key, 0) == 0, (key, stats)
+        assert stats.get("extra_threads", 0) <= 0, stats
+
+
+def socket_fds() -> int:
+    """Open socket file descriptors of this process."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return fds
