@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -44,9 +45,12 @@ def block_digest(pool, block_nbytes: int, ids) -> list[str]:
 
 def _install_fault(fault: str, stalled, unstall) -> None:
     """Monkeypatch a stall into this process's kv_transfer."""
-    def stall():
+    def stall(should_stop=None):
         stalled.set()
-        unstall.wait(60)
+        end = time.monotonic() + 60
+        while not unstall.wait(0.01) and time.monotonic() < end:
+            if should_stop is not None and should_stop():
+                raise InterruptedError("stopped while stalled")
 
     if fault == "stall_tcp_send":  # stall halfway through streaming the blocks
         import kv_transfer.tcp_path as tp
@@ -56,7 +60,7 @@ def _install_fault(fault: str, stalled, unstall) -> None:
             flat = [v[i:i + 65536] for v in views for i in range(0, v.nbytes, 65536)]
             half = len(flat) // 2
             n = orig(sock, flat[:half], should_stop)
-            stall()
+            stall(should_stop)
             return n + orig(sock, flat[half:], should_stop)
         tp.send_views = send_views
     elif fault == "stall_after_grant":  # grant served, then the connection thread hangs

@@ -319,3 +319,26 @@ def test_queued_reads_and_abort_while_queued(backend, peers, thread_guard):
     assert_no_leak(recv.stats())
     _close_and_check(recv)
     sender.close_and_check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_abort_mid_transfer(backend, peers, thread_guard):
+    """The prefill side gives up its lease while the receiver is reading: both end FAILED."""
+    sender = peers("sender", backend, seed=1, fault=STALL[backend])
+    layout = KVLayout(**sender.layout)
+    pool, recv = _local(backend, layout)
+    ids = list(range(32))
+    sender.call("expect", "sa", ids, 30)
+    t = recv.read(sender.peer_info, "sa", ids, ids, timeout_s=30)
+    assert sender.stalled.wait(20)
+    assert _wait_state(t, TransferState.TRANSFERRING) == TransferState.TRANSFERRING
+    state, error = sender.call("abort", "sa")
+    assert state == FAILED and "aborted" in error
+    assert_no_leak(sender.call("stats"))
+    sender.call("unstall")
+    assert t.wait(10) == TransferState.FAILED
+    # tcp: the stream is cut; nixl: the READ may finish, but the ack says the lease was gone
+    assert ("lost" in t.error) if backend == "tcp" else ("no longer held" in t.error), t.error
+    assert_no_leak(recv.stats())
+    _close_and_check(recv)
+    sender.close_and_check()
