@@ -205,7 +205,7 @@ class LLMEngine:
     # ---- whole batches -------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  request_ids: list[str] | None = None) -> list[RequestOutput]:
-        """Submit all prompts together and run until every one finishes."""
+        """Submit all prompts together and run until the engine is idle; return their outputs."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         request_ids = request_ids or [str(i) for i in range(len(prompts))]
@@ -216,6 +216,8 @@ class LLMEngine:
         partial: dict[tuple[str, int], Completion] = {}
         while self.has_unfinished():
             for d in self.step():
+                if d.request_id not in results:  # someone else's request sharing the engine
+                    continue
                 c = partial.setdefault((d.request_id, d.index), Completion(d.index, [], "", ""))
                 c.token_ids.extend(d.token_ids)
                 c.text += d.text

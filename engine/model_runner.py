@@ -87,9 +87,8 @@ class ModelRunner:
         if decode_idx:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            lens = torch.tensor(decode_lens, device=dev)
             meta.decode_token_indices = torch.tensor(decode_idx, device=dev)
             meta.decode_block_tables = torch.tensor(padded, device=dev)
-            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_seq_lens = torch.tensor(decode_lens, device=dev)
         return (torch.tensor(input_ids, device=dev, dtype=torch.long), torch.tensor(positions, device=dev, dtype=torch.long), meta,
                 torch.tensor(logits_indices, device=dev, dtype=torch.long))

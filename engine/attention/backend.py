@@ -38,8 +38,8 @@ class AttentionMetadata:
     """[B] packed token index of each single-token sequence."""
     decode_block_tables: torch.Tensor | None = None
     """[B, max_blocks] block tables (padded with 0)."""
-    decode_mask: torch.Tensor | None = None
-    """[B, 1, 1, max_blocks * block_size] True where a key position is valid."""
+    decode_seq_lens: torch.Tensor | None = None
+    """[B] context length of each single-token sequence, the new token included."""
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Filled by backends that need more (e.g. cumulative lengths for flash-attn).
     extra: dict = field(default_factory=dict)

@@ -34,7 +34,7 @@ def _varlen_args(meta: AttentionMetadata, device):  # pragma: no cover
     if "varlen" not in meta.extra:
         spans = []  # (token_start, n_query, seq_len, block_table)
         if meta.decode_token_indices is not None:
-            lens = meta.decode_mask.sum(-1).flatten()
+            lens = meta.decode_seq_lens
             for i, t in enumerate(meta.decode_token_indices.tolist()):
                 spans.append((t, 1, int(lens[i]), meta.decode_block_tables[i]))
         for s in meta.prefills:

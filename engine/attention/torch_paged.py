@@ -1,7 +1,9 @@
 """Paged attention in plain torch: runs on CPU (and on CUDA, slower than a kernel).
 
-Decode tokens of all sequences are attended in one batched SDPA call over
-their gathered, padded context; the query heads of one KV group act as the
+Decode tokens on CPU go through a small C++ kernel that reads K/V in place
+through the block tables (`cpu_kernels`, built on first use). Without it (or on
+CUDA), decode tokens of all sequences are attended in one batched SDPA call
+over their gathered, padded context; the query heads of one KV group act as the
 query rows, so grouped-query attention needs no K/V repetition. Prefill chunks
 are attended one sequence at a time; a chunk with no earlier context uses its
 own fresh K/V with a causal mask, without touching the cache.
@@ -11,10 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernels
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class TorchPagedAttention(AttentionBackend):
+    def __init__(self, *args, use_cpu_kernel: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernel = cpu_kernels.load() if use_cpu_kernel else None
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         k_cache[meta.slot_blocks, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
@@ -27,13 +34,17 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta, out) -> None:
         idx = meta.decode_token_indices
+        if self.kernel is not None and q.device.type == "cpu":
+            out[idx] = self.kernel.paged_decode_attention(q[idx], k_cache, v_cache, meta.decode_block_tables,
+                                                          meta.decode_seq_lens, self.scale)
+            return
         batch = idx.shape[0]
         group = self.num_heads // self.num_kv_heads
         tables = meta.decode_block_tables
         keys = _gather(k_cache, tables).transpose(1, 2)      # [B, Hkv, L, D]
         values = _gather(v_cache, tables).transpose(1, 2)
         query = q[idx].view(batch, self.num_kv_heads, group, self.head_dim)
-        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=_decode_mask(meta, keys.shape[2]),
                                               scale=self.scale)
         out[idx] = attn.reshape(batch, self.num_heads, self.head_dim)
 
@@ -55,6 +66,15 @@ class TorchPagedAttention(AttentionBackend):
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                                   scale=self.scale, enable_gqa=True)
         out[s:e] = attn.squeeze(0).transpose(0, 1)
+
+
+def _decode_mask(meta: AttentionMetadata, width: int) -> torch.Tensor:
+    """[B, 1, 1, width] True for valid key positions (built once per step)."""
+    if "decode_mask" not in meta.extra:
+        lens = meta.decode_seq_lens
+        valid = torch.arange(width, device=lens.device)[None, :] < lens[:, None]
+        meta.extra["decode_mask"] = valid[:, None, None, :]
+    return meta.extra["decode_mask"]
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

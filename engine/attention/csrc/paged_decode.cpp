@@ -1,14 +1,33 @@
 // Decode attention straight from the paged KV cache (one query token per sequence).
 //
-// For each (sequence, KV head): the query heads of that KV group score every
-// cached key of the sequence, softmax, then weight the values. Keys and values
-// are read in place through the block table: no gather, no padding. Math in
-// float32 whatever the cache dtype. Parallel over sequences x KV heads.
+// For each sequence: every query head scores every cached key of the sequence
+// (query heads of a KV group share its keys), softmax, then weights the values.
+// Keys and values are read in place through the block table, one token's heads
+// at a time (contiguous): no gather, no padding. Math in float32 whatever the
+// cache dtype. Parallel over sequences.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+// Widen one row to float32 (bf16 by bit shift, which vectorizes; others by cast).
+template <typename T>
+static inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &widened, sizeof(value));
+    dst[i] = value;
+  }
+}
 
 template <typename T>
 static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
@@ -16,47 +35,50 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           int64_t block_stride, int64_t table_width, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
+  const int64_t token_width = num_kv_heads * head_dim;  // one token's K (or V), all KV heads
+  const int64_t q_width = num_heads * head_dim;
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(q_width), acc(q_width), row(token_width), scores;
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t len = seq_lens[b];
       const int64_t* table = tables + b * table_width;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          qf[g * head_dim + d] = static_cast<float>(q[(b * num_heads + h * group + g) * head_dim + d]) * scale;
-      scores.assign(group * len, 0.f);
+      load_row(q + b * q_width, qf.data(), q_width);
+      for (auto& x : qf) x *= scale;
+      scores.resize(num_heads * len);
+      // Pass 1: scores[h][t] = q_h . k_t, reading each token's keys (all heads) contiguously.
       for (int64_t t = 0; t < len; ++t) {
-        const T* key = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
+        load_row(k_cache + table[t / block_size] * block_stride + (t % block_size) * token_width,
+                 row.data(), token_width);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* qh = qf.data() + h * head_dim;
+          const float* kh = row.data() + (h / group) * head_dim;
           float s = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(key[d]);
-          scores[g * len + t] = s;
+          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * kh[d];
+          scores[h * len + t] = s;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* sh = scores.data() + h * len;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, sh[t]);
         float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+        for (int64_t t = 0; t < len; ++t) { sh[t] = std::exp(sh[t] - m); sum += sh[t]; }
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+        for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
       }
+      // Pass 2: out_h = sum_t p[h][t] v_t.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const T* val = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* ag = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(val[d]);
+        load_row(v_cache + table[t / block_size] * block_stride + (t % block_size) * token_width,
+                 row.data(), token_width);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float p = scores[h * len + t];
+          const float* vh = row.data() + (h / group) * head_dim;
+          float* ah = acc.data() + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * vh[d];
         }
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          out[(b * num_heads + h * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
+      for (int64_t i = 0; i < q_width; ++i) out[b * q_width + i] = static_cast<T>(acc[i]);
     }
   });
 }
