@@ -51,7 +51,8 @@ def make_workload(tokenizer: Tokenizer, n: int, seed: int, prompt_range, output_
     for _ in range(n):
         plen = rng.randint(*prompt_range)
         start = rng.randrange(0, len(corpus) - plen)
-        work.append((corpus[start:start + plen], rng.randint(*output_range)))
+        header = tokenizer.encode(f"Request {len(work)}: ")  # no two prompts share a first block
+        work.append(((header + corpus[start:start + plen])[:plen], rng.randint(*output_range)))
     return work
 
 
@@ -129,7 +130,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--static-batch", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
