@@ -56,14 +56,7 @@ def send_views(sock: socket.socket, views: list[memoryview], should_stop=None) -
             raise InterruptedError("stopped")
         sent = sock.sendmsg(pending[i:i + _IOV_BATCH])
         total += sent
-        while sent and i < len(pending):
-            n = pending[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                pending[i] = pending[i][sent:]
-                sent = 0
+        i = _advance(pending, i, sent)
     return total
 
 
@@ -78,15 +71,21 @@ def recv_into_views(sock: socket.socket, views: list[memoryview], should_stop=No
         if got == 0:
             raise PeerClosed("peer closed the connection")
         total += got
-        while got and i < len(pending):
-            n = pending[i].nbytes
-            if got >= n:
-                got -= n
-                i += 1
-            else:
-                pending[i] = pending[i][got:]
-                got = 0
+        i = _advance(pending, i, got)
     return total
+
+
+def _advance(pending: list[memoryview], i: int, nbytes: int) -> int:
+    """Consume ``nbytes`` from ``pending[i:]`` (trimming a partly done view); return the new index."""
+    while nbytes and i < len(pending):
+        n = pending[i].nbytes
+        if nbytes >= n:
+            nbytes -= n
+            i += 1
+        else:
+            pending[i] = pending[i][nbytes:]
+            nbytes = 0
+    return i
 
 
 def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
