@@ -19,7 +19,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model.model_config import ModelConfig
 from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner
-from engine.outputs import Completion, RequestOutput, SampleDelta
+from engine.outputs import CompletionCollector, RequestOutput, SampleDelta
 from engine.request import FinishReason, Request
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import InvalidParameter, SamplingParams
@@ -209,24 +209,11 @@ class LLMEngine:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         request_ids = request_ids or [str(i) for i in range(len(prompts))]
-        results: dict[str, RequestOutput] = {}
         for rid, prompt, p in zip(request_ids, prompts, params):
             self.add_request(rid, prompt, p)
-            results[rid] = RequestOutput(rid, list(prompt), [])
-        partial: dict[tuple[str, int], Completion] = {}
+        collector = CompletionCollector()
         while self.has_unfinished():
             for d in self.step():
-                if d.request_id not in results:  # someone else's request sharing the engine
-                    continue
-                c = partial.setdefault((d.request_id, d.index), Completion(d.index, [], "", ""))
-                c.token_ids.extend(d.token_ids)
-                c.text += d.text
-                if d.logprobs:
-                    c.logprobs = (c.logprobs or []) + d.logprobs
-                if d.finished:
-                    c.finish_reason = d.finish_reason
-                    if d.index == 0:
-                        results[d.request_id].num_cached_tokens = d.num_cached_tokens
-        for (rid, _), c in sorted(partial.items(), key=lambda kv: kv[0][1]):
-            results[rid].completions.append(c)
-        return [results[rid] for rid in request_ids]
+                collector.add(d)
+        return [RequestOutput(rid, list(prompt), collector.completions(rid), collector.cached_tokens.get(rid, 0))
+                for rid, prompt in zip(request_ids, prompts)]

@@ -42,3 +42,27 @@ class RequestOutput:
         return {"prompt_tokens": len(self.prompt_token_ids),
                 "completion_tokens": sum(len(c.token_ids) for c in self.completions),
                 "cached_tokens": self.num_cached_tokens}
+
+
+class CompletionCollector:
+    """Folds per-step deltas into whole completions, per request and sample index."""
+
+    def __init__(self) -> None:
+        self._completions: dict[str, dict[int, Completion]] = {}
+        self.cached_tokens: dict[str, int] = {}
+
+    def add(self, d: SampleDelta) -> None:
+        samples = self._completions.setdefault(d.request_id, {})
+        c = samples.get(d.index)
+        if c is None:
+            c = samples[d.index] = Completion(d.index, [], "", "")
+        c.token_ids.extend(d.token_ids)
+        c.text += d.text
+        if d.logprobs:
+            c.logprobs = (c.logprobs or []) + d.logprobs
+        if d.finished:
+            c.finish_reason = d.finish_reason
+            self.cached_tokens[d.request_id] = max(self.cached_tokens.get(d.request_id, 0), d.num_cached_tokens)
+
+    def completions(self, request_id: str) -> list[Completion]:
+        return [c for _, c in sorted(self._completions.get(request_id, {}).items())]

@@ -18,6 +18,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
+def engine_config_from_args(args: argparse.Namespace):
+    """Map the engine flags onto EngineConfig (which validates them)."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
+                          enable_prefix_caching=not args.no_prefix_caching))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -37,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.offline:
             print("error: only --offline generation is available in this version", file=sys.stderr)
             return 2
+        try:
+            config = engine_config_from_args(args)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         from pdserve.offline import run_offline
-        return run_offline(args)
+        return run_offline(args, config)
     return 2
 
 
