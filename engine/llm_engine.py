@@ -62,20 +62,59 @@ class LLMEngine:
         self._samples: dict[str, _Sample] = {}
         self._groups: dict[str, list[str]] = {}
         self._group_params: dict[str, SamplingParams] = {}
+        self._reserved: dict[str, int] = {}
+        """Decode role: request id -> locally cached prompt tokens, between reserve_kv and add_request."""
         self.num_steps = 0
 
     # ---- requests ------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a prompt. Raises InvalidParameter naming the bad field."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    first_token_id: int | None = None) -> None:
+        """Queue a prompt. Raises InvalidParameter naming the bad field.
+
+        With `first_token_id` (decode role) the prompt's KV must already sit in
+        the blocks `reserve_kv` returned: the request starts where that KV ends,
+        with the first token (sampled by the prefill engine) already generated.
+        """
         self.validate_prompt(prompt_token_ids)
         if request_id in self._groups:
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
         request = Request(request_id, list(prompt_token_ids), params.for_sample(0) if params.n > 1 else params,
                           group_id=request_id, pending_forks=params.n - 1)
+        sample = self._track(request, params.for_sample(0).seed if params.n > 1 else params.seed)
+        if first_token_id is not None:
+            if params.n > 1:
+                raise InvalidParameter("n", "parallel samples need the prompt computed locally")
+            if request_id not in self._reserved:
+                raise ValueError(f"{request_id}: call reserve_kv before adding a request with its KV")
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.num_cached_tokens = self._reserved.pop(request_id)
+            request.append_token(first_token_id)
+            sample.detokenizer.add_token(first_token_id)
+            sample.detokenizer.take_delta(False)  # the prefill side already streamed it
         self._groups[request_id] = [request_id]
         self._group_params[request_id] = params
-        self._track(request, params.for_sample(0).seed if params.n > 1 else params.seed)
         self.scheduler.add_request(request)
+
+    def reserve_kv(self, request_id: str, prompt_token_ids: list[int]) -> tuple[list[int], int]:
+        """Decode role: blocks for a prompt whose KV is computed elsewhere.
+
+        Locally cached prefix blocks are reused. Returns the block table and how
+        many of its leading blocks already hold the right KV; only the rest need
+        to be pulled. Raises MemoryError when blocks are short (nothing held).
+        """
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self._groups or request_id in self._reserved:
+            raise InvalidParameter("request_id", f"{request_id!r} is already running")
+        hit = self.kv.find_prefix(request_id, prompt_token_ids)
+        if self.kv.allocate_slots(request_id, 0, len(prompt_token_ids) - hit.num_tokens, hit) is None:
+            raise MemoryError("not enough free KV blocks for this prompt")
+        self._reserved[request_id] = hit.num_tokens
+        return list(self.kv.block_table(request_id)), len(hit.block_ids)
+
+    def release_kv(self, request_id: str) -> None:
+        """Give back blocks from `reserve_kv` when the KV never arrived."""
+        if self._reserved.pop(request_id, None) is not None:
+            self.kv.free(request_id)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
