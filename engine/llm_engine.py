@@ -63,6 +63,8 @@ class LLMEngine:
         self._groups: dict[str, list[str]] = {}
         self._group_params: dict[str, SamplingParams] = {}
         self._reserved: dict[str, int] = {}
+        self._ended_between_steps: list[_Sample] = []
+        """Samples aborted (or finished on arrival) since the last step; reported by the next step."""
         """Decode role: request id -> locally cached prompt tokens, between reserve_kv and add_request."""
         self.num_steps = 0
 
@@ -78,22 +80,27 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if request_id in self._groups:
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
-        request = Request(request_id, list(prompt_token_ids), params.for_sample(0) if params.n > 1 else params,
-                          group_id=request_id, pending_forks=params.n - 1)
-        sample = self._track(request, params.for_sample(0).seed if params.n > 1 else params.seed)
         if first_token_id is not None:
             if params.n > 1:
                 raise InvalidParameter("n", "parallel samples need the prompt computed locally")
             if request_id not in self._reserved:
                 raise ValueError(f"{request_id}: call reserve_kv before adding a request with its KV")
-            request.num_computed_tokens = request.num_prompt_tokens
-            request.num_cached_tokens = self._reserved.pop(request_id)
-            request.append_token(first_token_id)
-            sample.detokenizer.add_token(first_token_id)
-            sample.detokenizer.take_delta(False)  # the prefill side already streamed it
+        request = Request(request_id, list(prompt_token_ids), params.for_sample(0) if params.n > 1 else params,
+                          group_id=request_id, pending_forks=params.n - 1)
+        sample = self._track(request, params.for_sample(0).seed if params.n > 1 else params.seed)
         self._groups[request_id] = [request_id]
         self._group_params[request_id] = params
         self.scheduler.add_request(request)
+        if first_token_id is not None:
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.num_cached_tokens = self._reserved.pop(request_id)
+            request.append_token(first_token_id)
+            stop_string = sample.detokenizer.add_token(first_token_id)
+            sample.detokenizer.take_delta(False)  # the prefill side already streamed it
+            reason = self._stop_reason(request, first_token_id, stop_string)
+            if reason is not None:  # the first token already ended it: report at the next step
+                self.scheduler.finish(request, reason)
+                self._ended_between_steps.append(sample)
 
     def reserve_kv(self, request_id: str, prompt_token_ids: list[int]) -> tuple[list[int], int]:
         """Decode role: blocks for a prompt whose KV is computed elsewhere.
@@ -136,17 +143,19 @@ class LLMEngine:
             sample = self._samples.get(sample_id)
             if sample and not sample.request.is_finished:
                 self.scheduler.finish(sample.request, FinishReason.ABORT)
+                self._ended_between_steps.append(sample)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request runs or waits, or an ended one is still to be reported."""
+        return self.scheduler.has_unfinished() or bool(self._ended_between_steps)
 
     # ---- one step ------------------------------------------------------
     def step(self) -> list[SampleDelta]:
         """Run one engine step; return what each touched sample gained."""
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return self._drain_aborted()
+            return self._drain_ended()
         sampling = [item.request for item in out.scheduled if item.samples]
         logits = self.runner.execute(out, self.kv)
         self.scheduler.finish_step(out)
@@ -163,7 +172,7 @@ class LLMEngine:
         tokens = self.sampler.sample(logits, rows)
         for sample, token in zip(owners, tokens):
             self._accept(sample, token)
-        return [self._delta(s) for s in owners] + self._drain_aborted()
+        return [self._delta(s) for s in owners] + self._drain_ended()
 
     # ---- helpers -------------------------------------------------------
     def _track(self, request: Request, seed: int | None) -> _Sample:
@@ -229,10 +238,10 @@ class LLMEngine:
             self._forget(request)
         return delta
 
-    def _drain_aborted(self) -> list[SampleDelta]:
-        """Deltas for samples that were aborted since the last step."""
-        return [self._delta(s) for s in list(self._samples.values())
-                if s.request.is_finished and s.request.finish_reason == FinishReason.ABORT]
+    def _drain_ended(self) -> list[SampleDelta]:
+        """Deltas for samples that ended between steps (aborts, finished on arrival)."""
+        ended, self._ended_between_steps = self._ended_between_steps, []
+        return [self._delta(s) for s in ended]
 
     def _forget(self, request: Request) -> None:
         self._samples.pop(request.request_id, None)

@@ -193,6 +193,16 @@ def test_decode_role_continues_from_kv_computed_by_another_engine(smollm2_dir, e
     assert decode.kv.pool.num_used_blocks == 0
 
 
+def test_decode_role_request_finished_by_its_first_token(engine, france):
+    engine.reserve_kv("one", france)
+    engine.add_request("one", france, SamplingParams(temperature=0, max_tokens=1), first_token_id=504)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [(d.request_id, d.token_ids, d.finish_reason) for d in deltas] == [("one", [], "length")]
+    assert_idle(engine)
+
+
 def test_reserved_kv_is_released_when_it_never_arrives(engine, france):
     table, _ = engine.reserve_kv("r", france)
     assert engine.kv.pool.num_used_blocks == len(table)
