@@ -206,7 +206,6 @@ class LLMEngine:
         if token.logprob is not None:
             entry = {"token_id": token.token_id, "logprob": token.logprob,
                      "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in token.top_logprobs]}
-            request.output_logprobs.append(entry)
             sample.new_logprobs.append(entry)
         stop_string = sample.detokenizer.add_token(token.token_id)
         reason = self._stop_reason(request, token.token_id, stop_string)

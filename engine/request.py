@@ -40,7 +40,6 @@ class Request:
     sample_index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (or a KV transfer)."""

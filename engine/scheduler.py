@@ -35,10 +35,6 @@ class SchedulerOutput:
     """(src, dst) copy-on-write block copies to make before the step runs."""
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:

@@ -71,6 +71,7 @@ def test_smollm2_with_prefix_cache_hits(smollm2_dir, smollm2_case):
     engine = LLMEngine(config)
     first = engine.generate(prompts, GREEDY)
     second = engine.generate(prompts, GREEDY)
+    assert [o.completions[0].token_ids for o in first] == expected
     assert all(o.num_cached_tokens >= 16 * (len(p) // 16 - 1) for o, p in zip(second, prompts))
     assert [o.completions[0].token_ids for o in second] == expected
     assert_no_leak(engine)
