@@ -124,14 +124,19 @@ def run_hf_static(model, work, batch_size):
     return {"elapsed_s": time.perf_counter() - start, "output_tokens": useful, "computed_tokens": computed}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload flags, shared with bench/vllm_peer_offline.py so both run the same requests."""
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
     ap.add_argument("--static-batch", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)

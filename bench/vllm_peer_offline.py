@@ -58,13 +58,10 @@ def wait_idle(patterns, timeout_s=2400, poll_s=20) -> float:
 
 
 def main() -> int:
+    from offline_throughput import add_workload_args, make_workload
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--wait-for", nargs="*", default=[])
     ap.add_argument("--output", default=None)
@@ -72,7 +69,6 @@ def main() -> int:
 
     from engine.model_files import resolve_model_path
     from engine.tokenizer import Tokenizer
-    from offline_throughput import make_workload
 
     model_dir = resolve_model_path(args.model)
     work = make_workload(Tokenizer(model_dir), args.num_requests, args.seed, args.prompt_len, args.output_len)
