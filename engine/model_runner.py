@@ -80,7 +80,6 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
         dev = self.device
         meta = AttentionMetadata(
-            num_tokens=len(input_ids),
             slot_blocks=torch.tensor(slot_blocks, device=dev),
             slot_offsets=torch.tensor(slot_offsets, device=dev),
             prefills=prefills)

@@ -25,11 +25,12 @@ class PrefillSpan:
     """Tokens of this sequence whose KV was already cached before this step."""
     block_table: torch.Tensor
     """Block ids covering context_len + (token_end - token_start) tokens."""
+    mask: torch.Tensor | None = None
+    """Causal mask over context + chunk, built once per step by the backend that needs it."""
 
 
 @dataclass
 class AttentionMetadata:
-    num_tokens: int
     slot_blocks: torch.Tensor
     """[T] block id holding each new token's KV."""
     slot_offsets: torch.Tensor

@@ -61,9 +61,10 @@ class TorchPagedAttention(AttentionBackend):
             table = span.block_table.unsqueeze(0)
             keys = _gather(k_cache, table)[:, :total].transpose(1, 2)
             values = _gather(v_cache, table)[:, :total].transpose(1, 2)
-            query_pos = torch.arange(span.context_len, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+            if span.mask is None:  # the same for every layer of this step
+                query_pos = torch.arange(span.context_len, total, device=q.device)
+                span.mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=span.mask,
                                                   scale=self.scale, enable_gqa=True)
         out[s:e] = attn.squeeze(0).transpose(0, 1)
 

@@ -41,7 +41,6 @@ def test_decode_over_scattered_blocks(dtype, use_kernel):
     new_v = torch.randn(len(lens), HKV, D).to(dtype)
     slots = [(t[(n - 1) // BS], (n - 1) % BS) for t, n in zip(tables, lens)]
     meta = AttentionMetadata(
-        num_tokens=len(lens),
         slot_blocks=torch.tensor([b for b, _ in slots]), slot_offsets=torch.tensor([o for _, o in slots]),
         decode_token_indices=torch.arange(len(lens)),
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
@@ -69,7 +68,7 @@ def test_prefill_chunk_with_cached_context():
         v_cache[table[t // BS], t % BS] = values_all[t]
     q = torch.randn(n, H, D)
     pos = range(ctx, ctx + n)
-    meta = AttentionMetadata(num_tokens=n, slot_blocks=torch.tensor([table[p // BS] for p in pos]),
+    meta = AttentionMetadata(slot_blocks=torch.tensor([table[p // BS] for p in pos]),
                              slot_offsets=torch.tensor([p % BS for p in pos]),
                              prefills=[PrefillSpan(0, n, ctx, torch.tensor(table))])
     out = TorchPagedAttention(H, HKV, D, D ** -0.5).forward(q, keys_all[ctx:], values_all[ctx:],
