@@ -5,6 +5,11 @@ blocks), computes its prompt in one or more chunks, then one token per step
 until a stop condition; its blocks are freed when it finishes or is aborted.
 With n > 1 the prompt is computed once; at the first token the request splits
 into n samples sharing its blocks (copy-on-write on the shared partial block).
+
+Disaggregated roles use the same engine. Prefill: `add_request(prefill_only=True)`
+stops a request after its first token and keeps its blocks (the delta carries
+their ids) until `release_kv`. Decode: `reserve_kv` allocates blocks for KV
+computed elsewhere, then `add_request(first_token_id=...)` continues from there.
 """
 from __future__ import annotations
 
@@ -63,30 +68,34 @@ class LLMEngine:
         self._groups: dict[str, list[str]] = {}
         self._group_params: dict[str, SamplingParams] = {}
         self._reserved: dict[str, int] = {}
+        """Decode role: request id -> locally cached prompt tokens, between reserve_kv and add_request."""
+        self._handed_off: set[str] = set()
+        """Prefill role: requests stopped after their first token whose blocks are kept for a transfer."""
         self._ended_between_steps: list[_Sample] = []
         """Samples aborted (or finished on arrival) since the last step; reported by the next step."""
-        """Decode role: request id -> locally cached prompt tokens, between reserve_kv and add_request."""
         self.num_steps = 0
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    first_token_id: int | None = None) -> None:
+                    first_token_id: int | None = None, prefill_only: bool = False) -> None:
         """Queue a prompt. Raises InvalidParameter naming the bad field.
 
         With `first_token_id` (decode role) the prompt's KV must already sit in
         the blocks `reserve_kv` returned: the request starts where that KV ends,
         with the first token (sampled by the prefill engine) already generated.
+        With `prefill_only` (prefill role) the request stops after its first
+        token; unless that token ended it, its blocks are kept (the delta's
+        `kv_block_ids`) until `release_kv`.
         """
         self.validate_prompt(prompt_token_ids)
-        if request_id in self._groups:
+        if request_id in self._groups or request_id in self._handed_off:
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
-        if first_token_id is not None:
-            if params.n > 1:
-                raise InvalidParameter("n", "parallel samples need the prompt computed locally")
-            if request_id not in self._reserved:
-                raise ValueError(f"{request_id}: call reserve_kv before adding a request with its KV")
+        if (first_token_id is not None or prefill_only) and params.n > 1:
+            raise InvalidParameter("n", "parallel samples need the whole request on one engine")
+        if first_token_id is not None and request_id not in self._reserved:
+            raise ValueError(f"{request_id}: call reserve_kv before adding a request with its KV")
         request = Request(request_id, list(prompt_token_ids), params.for_sample(0) if params.n > 1 else params,
-                          group_id=request_id, pending_forks=params.n - 1)
+                          group_id=request_id, pending_forks=params.n - 1, prefill_only=prefill_only)
         sample = self._track(request, params.for_sample(0).seed if params.n > 1 else params.seed)
         self._groups[request_id] = [request_id]
         self._group_params[request_id] = params
@@ -95,6 +104,8 @@ class LLMEngine:
             request.num_computed_tokens = request.num_prompt_tokens
             request.num_cached_tokens = self._reserved.pop(request_id)
             request.append_token(first_token_id)
+            if sample.generator is not None and not params.greedy:
+                self.sampler.skip_draw(sample.generator, self.model_config.vocab_size)  # prefill drew it
             stop_string = sample.detokenizer.add_token(first_token_id)
             sample.detokenizer.take_delta(False)  # the prefill side already streamed it
             reason = self._stop_reason(request, first_token_id, stop_string)
@@ -118,10 +129,23 @@ class LLMEngine:
         self._reserved[request_id] = hit.num_tokens
         return list(self.kv.block_table(request_id)), len(hit.block_ids)
 
-    def release_kv(self, request_id: str) -> None:
-        """Give back blocks from `reserve_kv` when the KV never arrived."""
-        if self._reserved.pop(request_id, None) is not None:
-            self.kv.free(request_id)
+    def release_kv(self, request_id: str) -> bool:
+        """Free blocks kept for a transfer: reserved by `reserve_kv` (decode role,
+        the KV never arrived) or kept after a `prefill_only` request's first token."""
+        if self._reserved.pop(request_id, None) is None and request_id not in self._handed_off:
+            return False
+        self._handed_off.discard(request_id)
+        self.kv.free(request_id)
+        return True
+
+    @property
+    def num_kv_blocks_used(self) -> int:
+        """Blocks held by requests or kept for transfers (free prefix-cache blocks excluded)."""
+        return self.kv.pool.num_used_blocks
+
+    @property
+    def num_kv_blocks_total(self) -> int:
+        return self.kv.pool.num_blocks
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -213,6 +237,9 @@ class LLMEngine:
             if reason != FinishReason.STOP_STRING:
                 sample.detokenizer.flush()
             self.scheduler.finish(request, reason)
+        elif request.prefill_only:
+            self.scheduler.finish(request, None, keep_blocks=True)
+            self._handed_off.add(request.request_id)
 
     def _stop_reason(self, request: Request, token_id: int, stop_string: str | None) -> FinishReason | None:
         params = request.params
@@ -227,11 +254,12 @@ class LLMEngine:
 
     def _delta(self, sample: _Sample) -> SampleDelta:
         request = sample.request
+        ended = request.finish_reason is not None
+        handed_off = request.request_id in self._handed_off
         delta = SampleDelta(request.group_id, request.sample_index, sample.new_token_ids,
-                            sample.detokenizer.take_delta(request.is_finished), sample.new_logprobs,
-                            request.is_finished,
-                            request.finish_reason.value if request.finish_reason else None,
-                            request.num_cached_tokens)
+                            sample.detokenizer.take_delta(ended), sample.new_logprobs,
+                            ended, request.finish_reason.value if ended else None, request.num_cached_tokens,
+                            list(self.kv.block_table(request.request_id)) if handed_off else None)
         sample.new_token_ids, sample.new_logprobs = [], []
         if request.is_finished:
             self._forget(request)

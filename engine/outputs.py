@@ -17,6 +17,9 @@ class SampleDelta:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     """Prompt tokens whose KV was reused rather than computed."""
+    kv_block_ids: list[int] | None = None
+    """Prefill role: the request stopped after its first token; these blocks hold
+    its prompt's KV and stay allocated until `LLMEngine.release_kv`."""
 
 
 @dataclass

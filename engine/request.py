@@ -48,6 +48,8 @@ class Request:
     pending_forks: int = 0
     """Samples still to split off when this request samples its first token."""
     num_preemptions: int = 0
+    prefill_only: bool = False
+    """Prefill role: stop after the first token and keep the blocks for a transfer."""
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -54,6 +54,13 @@ class Sampler:
             self._add_logprobs(logits[want], [rows[i] for i in want], [results[i] for i in want])
         return results
 
+    @staticmethod
+    def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+        """Advance a request's generator past one random token, as if drawn here
+        (a decode engine continuing a seeded request whose first token was drawn
+        by the prefill engine)."""
+        torch.empty(1, vocab_size, device=generator.device).exponential_(generator=generator)
+
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
         logits = logits / temps[:, None]

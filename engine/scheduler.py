@@ -141,8 +141,9 @@ class Scheduler:
         self.requests[child.request_id] = child
         self.running.append(child)
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request (finished or aborted) and free its blocks."""
+    def finish(self, request: Request, reason: FinishReason | None, keep_blocks: bool = False) -> None:
+        """End a request (finished or aborted) and free its blocks, or keep them
+        allocated under its id (`keep_blocks`, a prefill handing its KV off)."""
         if request.is_finished:
             return
         request.status = RequestStatus.FINISHED
@@ -151,5 +152,6 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        if not keep_blocks:
+            self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)

@@ -1,0 +1,145 @@
+"""Decode role on the engine thread: KV pulls, then continuous batching.
+
+A request arriving with a KV handle reserves blocks (reusing this engine's own
+prefix-cached blocks), pulls only the blocks it lacks from the prefill worker,
+and joins the running batch with its first token once the pull is DONE. When
+blocks are short the request waits (in arrival order) until running requests
+free some, up to `pull_timeout_s`. A request without a handle is prefilled
+here (co-located mode).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from collections import deque
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kv_transfer import KVReceiver, KVTransferError, Transfer, TransferState
+from worker_runtime.engine_loop import EngineLoop, Sink
+from worker_runtime.errors import KVPullFailed, Overloaded
+
+
+@dataclass
+class KVSource:
+    """Where a prompt's KV waits (from the prefill worker's KV handle)."""
+
+    peer_info: dict
+    transfer_id: str
+    block_ids: list[int]
+    first_token_id: int
+
+    @classmethod
+    def from_handle(cls, handle, first_token_id: int) -> "KVSource":
+        return cls(json.loads(handle.peer_info_json), handle.transfer_id, list(handle.block_ids), first_token_id)
+
+
+@dataclass
+class _Job:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    source: KVSource
+    sink: Sink
+    give_up_at: float
+    transfer: Transfer | None = None
+
+
+class DecodeLoop(EngineLoop):
+    def __init__(self, engine: LLMEngine, aio_loop: asyncio.AbstractEventLoop, receiver: KVReceiver,
+                 pull_timeout_s: float) -> None:
+        super().__init__(engine, aio_loop)
+        self.receiver = receiver
+        self.pull_timeout_s = pull_timeout_s
+        self._queued: deque[_Job] = deque()
+        self._pulling: dict[str, _Job] = {}
+        self.transfers_failed = 0
+
+    # ---- asyncio side ------------------------------------------------------
+    def decode(self, request_id: str, prompt: list[int], params: SamplingParams, source: KVSource | None,
+               sink: Sink) -> asyncio.Future:
+        """Start a request; its deltas (or a terminal exception) go to `sink`.
+
+        The returned future fails at once for a request the engine refuses."""
+        def add() -> None:
+            if source is None:
+                self.engine.add_request(request_id, prompt, params)
+            else:
+                self.engine.validate_prompt(prompt)
+                self._queued.append(_Job(request_id, prompt, params, source, sink,
+                                         time.monotonic() + self.pull_timeout_s))
+            self.add_sink(request_id, sink)
+            self.requests_total += 1
+        return self.call(add)
+
+    def abort(self, request_id: str) -> asyncio.Future:
+        def run() -> bool:
+            job = self._pulling.pop(request_id, None)
+            if job is not None:
+                job.transfer.abort("aborted by the router")
+                self.engine.release_kv(request_id)
+            else:
+                job = next((j for j in self._queued if j.request_id == request_id), None)
+                if job is not None:
+                    self._queued.remove(job)
+            found = self.engine.abort_request(request_id) or job is not None
+            if job is not None:
+                self.emit(request_id, asyncio.CancelledError(), last=True)
+            return found
+        return self.call(run)
+
+    # ---- engine thread -----------------------------------------------------
+    def has_transfers(self) -> bool:
+        return bool(self._pulling or self._queued)
+
+    def poll(self) -> None:
+        self._start_pulls()
+        for request_id, job in list(self._pulling.items()):
+            state = job.transfer.poll()
+            if not state.is_terminal:
+                continue
+            del self._pulling[request_id]
+            if state == TransferState.DONE:
+                self.engine.add_request(request_id, job.prompt, job.params,
+                                        first_token_id=job.source.first_token_id)
+            else:
+                self.transfers_failed += 1
+                self.engine.release_kv(request_id)
+                self.emit(request_id, KVPullFailed(f"KV pull failed: {job.transfer.error}"), last=True)
+
+    def _start_pulls(self) -> None:
+        while self._queued:
+            job = self._queued[0]
+            try:
+                table, num_local = self.engine.reserve_kv(job.request_id, job.prompt)
+            except MemoryError:
+                if time.monotonic() < job.give_up_at:
+                    return  # wait for running requests to free blocks
+                self._queued.popleft()
+                self.emit(job.request_id, Overloaded("no free KV blocks on the decode worker"), last=True)
+                continue
+            self._queued.popleft()
+            remote = job.source.block_ids
+            if len(remote) != len(table):
+                self.engine.release_kv(job.request_id)
+                self.emit(job.request_id, KVPullFailed(
+                    f"KV handle has {len(remote)} blocks, the prompt needs {len(table)}"), last=True)
+                continue
+            try:
+                job.transfer = self.receiver.read(job.source.peer_info, job.source.transfer_id,
+                                                  remote[num_local:], table[num_local:],
+                                                  timeout_s=max(0.1, job.give_up_at - time.monotonic()))
+            except (KVTransferError, OSError, ValueError) as exc:
+                self.engine.release_kv(job.request_id)
+                self.emit(job.request_id, KVPullFailed(f"KV pull could not start: {exc}"), last=True)
+                continue
+            self._pulling[job.request_id] = job
+
+    def num_requests(self) -> int:
+        return super().num_requests() + len(self._pulling) + len(self._queued)
+
+    def extra_stats(self) -> dict[str, int]:
+        return {"num_pulls": len(self._pulling) + len(self._queued), "transfers_failed": self.transfers_failed,
+                "kv_bytes_moved": int(self.receiver.stats().get("bytes_moved", 0))}

@@ -1,0 +1,32 @@
+"""What every pdserve gRPC server carries: health, reflection, message limits."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def new_server() -> grpc.aio.Server:
+    return grpc.aio.server(options=CHANNEL_OPTIONS)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> "health.aio.HealthServicer":
+    """Register grpc.health.v1 (starting NOT_SERVING) and server reflection for the given services."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return servicer
+
+
+async def set_serving(servicer: "health.aio.HealthServicer", service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await servicer.set(name, status)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -1,0 +1,1 @@
+"""Generated at build time (setup.py); only this file is kept in git."""

@@ -1,0 +1,1 @@
+"""The engine in prefill role: prompts to their first token, KV kept under a lease for decode."""

@@ -1,0 +1,1 @@
+"""The gRPC front end: validates, tokenizes, picks workers, relays the token stream."""

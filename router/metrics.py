@@ -1,0 +1,63 @@
+"""The router's Prometheus metrics (names: vLLM's with a `pdserve:` prefix).
+
+Request-level figures are observed as responses stream through the router;
+per-worker gauges (`worker` and `role` labels) come from the workers' stats,
+polled by the WorkerPool.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from router.worker_pool import WorkerPool
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0)
+
+
+class WorkerStatsCollector:
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self):
+        gauges = {
+            "kv_blocks_used": GaugeMetricFamily(
+                "pdserve:worker_kv_blocks_used",
+                "KV blocks held by running requests or transfer leases (free prefix-cache blocks excluded)",
+                labels=["worker", "role"]),
+            "kv_blocks_total": GaugeMetricFamily("pdserve:worker_kv_blocks_total", "KV blocks in the worker's pool",
+                                                 labels=["worker", "role"]),
+            "num_requests": GaugeMetricFamily("pdserve:worker_num_requests",
+                                              "Requests the worker holds (queued, running, transferring, leased)",
+                                              labels=["worker", "role"]),
+        }
+        healthy = GaugeMetricFamily("pdserve:worker_healthy", "1 while the worker is in rotation",
+                                    labels=["worker", "role"])
+        for w in self.pool.workers:
+            healthy.add_metric([w.address, w.role], 1.0 if w.healthy else 0.0)
+            if w.stats is not None:
+                for name, family in gauges.items():
+                    family.add_metric([w.address, w.role], float(getattr(w.stats, name)))
+        yield from gauges.values()
+        yield healthy
+
+
+class RouterMetrics:
+    def __init__(self, pool: WorkerPool) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(WorkerStatsCollector(pool))
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time from request arrival to its first token",
+                              registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Time from arrival to the last token",
+                             registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.success = Counter("pdserve:request_success", "Finished samples by finish reason",
+                               ["finished_reason"], registry=self.registry)
+        self.failures = Counter("pdserve:request_failure", "Requests ended by an error, by gRPC status code",
+                                ["code"], registry=self.registry)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished samples",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=self.registry)
+
+    def serve(self, host: str, port: int):
+        """Start the /metrics HTTP server in a thread; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)

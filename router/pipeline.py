@@ -1,0 +1,188 @@
+"""One request through the cluster: prefill worker -> KV handle -> decode worker -> stream.
+
+Front ends (gRPC now) hand a validated PreparedRequest to `generate`, which
+yields pdserve.v1.GenerateResponse messages: the first token the moment
+prefill returns it, then the decode worker's stream. n > 1 fans out into n
+independent samples (seed + i), merged into one stream by index.
+
+Failure rules: a prefill worker that is unreachable is skipped (the next one
+is tried; nothing was streamed yet). Any other failure ends the sample with a
+PipelineError carrying the gRPC status. Whenever a sample ends other than by
+completing (error, cancel, deadline), every worker it touched is told to abort
+it, so no KV blocks or leases outlive the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.protocol import generate_pb2, params_to_proto, worker_pb2
+from router.config import RouterConfig
+from router.request_builder import PreparedRequest
+from router.worker_pool import WorkerClient, WorkerPool
+
+logger = logging.getLogger(__name__)
+ABORT_TIMEOUT_S = 5.0
+
+
+class PipelineError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class GenerationPipeline:
+    def __init__(self, config: RouterConfig, pool: WorkerPool) -> None:
+        self.config = config
+        self.pool = pool
+        self._background: set[asyncio.Task] = set()
+
+    async def generate(self, request: PreparedRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        tag = uuid.uuid4().hex[:8]
+        if request.params.n == 1:
+            async for msg in self._sample(f"{request.request_id}-{tag}", 0, request, request.params, deadline):
+                msg.request_id = request.request_id
+                yield msg
+            return
+        async for msg in self._fan_out(request, tag, deadline):
+            msg.request_id = request.request_id
+            yield msg
+
+    async def _fan_out(self, request: PreparedRequest, tag: str, deadline):
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int) -> None:
+            try:
+                async for msg in self._sample(f"{request.request_id}-{tag}-{index}", index, request,
+                                              request.params.for_sample(index), deadline):
+                    queue.put_nowait(msg)
+                queue.put_nowait(done)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait(exc)
+                raise
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(request.params.n)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _sample(self, sample_id: str, index: int, request: PreparedRequest, params, deadline):
+        prompt = request.prompt_token_ids
+        params_msg = params_to_proto(params)
+        touched: list[WorkerClient] = []
+        completed = False
+        try:
+            decode_req = worker_pb2.DecodeRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg)
+            cached = None
+            if self.pool.has_role("prefill"):
+                first = await self._prefill(sample_id, prompt, params_msg, deadline, touched)
+                cached = first.cached_tokens
+                yield generate_pb2.GenerateResponse(index=index, chunk=first.first)
+                if first.finished:
+                    completed = True
+                    yield generate_pb2.GenerateResponse(index=index, complete=generate_pb2.Complete(
+                        finish_reason=first.finish_reason, usage=generate_pb2.Usage(
+                            prompt_tokens=len(prompt), completion_tokens=len(first.first.token_ids),
+                            cached_tokens=cached)))
+                    return
+                decode_req.first_token_id = first.first.token_ids[0]
+                decode_req.kv.CopyFrom(first.kv)
+            async for msg in self._decode(decode_req, deadline, touched):
+                msg.index = index
+                if msg.HasField("complete"):
+                    completed = True
+                    if cached is not None:  # the prompt was computed (or reused) by prefill
+                        msg.complete.usage.cached_tokens = cached
+                yield msg
+        finally:
+            if not completed:
+                for worker in touched:
+                    self._abort_later(worker, sample_id)
+
+    async def _prefill(self, sample_id, prompt, params_msg, deadline, touched):
+        request = worker_pb2.PrefillRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg,
+                                            lease_s=self.config.lease_s)
+        tried: list[WorkerClient] = []
+        while True:
+            worker = self.pool.pick("prefill", exclude=tuple(tried))
+            if worker is None:
+                detail = f" (tried {', '.join(w.address for w in tried)})" if tried else ""
+                raise PipelineError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker" + detail)
+            touched.append(worker)
+            worker.in_flight += 1
+            try:
+                return await worker.stub.Prefill(request, timeout=_remaining(deadline))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._recheck(worker)
+                    tried.append(worker)
+                    continue
+                raise _worker_error(worker, exc) from None
+            finally:
+                worker.in_flight -= 1
+
+    async def _decode(self, decode_req, deadline, touched):
+        worker = self.pool.pick("decode")
+        if worker is None:
+            raise PipelineError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        touched.append(worker)
+        worker.in_flight += 1
+        call = worker.stub.Decode(decode_req, timeout=_remaining(deadline))
+        try:
+            async for msg in call:
+                yield msg
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._recheck(worker)
+            raise _worker_error(worker, exc) from None
+        finally:
+            worker.in_flight -= 1
+            call.cancel()
+
+    def _recheck(self, worker: WorkerClient) -> None:
+        self._spawn(self.pool.check(worker))
+
+    def _abort_later(self, worker: WorkerClient, sample_id: str) -> None:
+        async def abort() -> None:
+            try:
+                await worker.stub.Abort(generate_pb2.AbortRequest(request_id=sample_id), timeout=ABORT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                logger.info("abort of %s on %s failed: %s", sample_id, worker.address, exc.code().name)
+        self._spawn(abort())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def wait_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return max(0.001, deadline - asyncio.get_running_loop().time())
+
+
+def _worker_error(worker: WorkerClient, exc: grpc.aio.AioRpcError) -> PipelineError:
+    return PipelineError(exc.code(), f"{worker.role} worker {worker.address}: {exc.details()}")

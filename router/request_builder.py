@@ -1,0 +1,86 @@
+"""Turn a GenerateRequest into (request id, prompt token ids, SamplingParams), or say what is wrong.
+
+Every check that does not need a worker happens here, so a bad request is
+refused (INVALID_ARGUMENT naming the field) before anything is queued.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from engine.model.model_config import ModelConfig
+from engine.model_files import resolve_model_path
+from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.tokenizer import Tokenizer
+from pdserve.protocol import params_from_proto
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class RequestBuilder:
+    def __init__(self, model: str, max_model_len: int | None = None) -> None:
+        path = resolve_model_path(model)
+        self.tokenizer = Tokenizer(path)
+        model_config = ModelConfig.from_dir(path)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+
+    def build(self, msg) -> PreparedRequest:
+        """Validate and tokenize a pdserve.v1.GenerateRequest; raises InvalidParameter."""
+        request_id = msg.request_id or uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidParameter("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
+        prompt = self.prompt_token_ids(msg)
+        try:
+            params = params_from_proto(msg.params)
+        except InvalidParameter as exc:
+            raise InvalidParameter(f"params.{exc.field}", str(exc).split(": ", 1)[1]) from None
+        self.check(prompt, params)
+        return PreparedRequest(request_id, prompt, params)
+
+    def prompt_token_ids(self, msg) -> list[int]:
+        kind = msg.WhichOneof("input")
+        if kind is None:
+            raise InvalidParameter("input", "give one of text, tokens or chat")
+        if kind == "text":
+            if not msg.text:
+                raise InvalidParameter("text", "the prompt is empty")
+            return self.tokenizer.encode(msg.text)
+        if kind == "tokens":
+            ids = list(msg.tokens.ids)
+            if not ids:
+                raise InvalidParameter("tokens.ids", "the prompt is empty")
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidParameter("tokens.ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            return ids
+        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        if not messages:
+            raise InvalidParameter("chat.messages", "no messages")
+        for i, m in enumerate(messages):
+            if not m["role"]:
+                raise InvalidParameter(f"chat.messages[{i}].role", "empty")
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except Exception as exc:  # a template may raise on roles it does not know
+            raise InvalidParameter("chat.messages", f"the chat template refused them: {exc}") from None
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Checks that need the model: context length, token ids in the vocabulary."""
+        if len(prompt) >= self.max_model_len:
+            raise InvalidParameter("input", f"the prompt has {len(prompt)} tokens; the context holds "
+                                            f"{self.max_model_len} (prompt plus at least one new token)")
+        room = self.max_model_len - len(prompt)
+        if params.max_tokens > room:
+            raise InvalidParameter("params.max_tokens", f"{params.max_tokens} new tokens do not fit: the prompt has "
+                                                        f"{len(prompt)} tokens and the context {self.max_model_len}")
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParameter("params.stop_token_ids", f"token id {bad} is outside the vocabulary")

@@ -1,0 +1,87 @@
+"""The router process: worker pool + pipeline + gRPC Generation service (+ metrics)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from pdserve.grpc_common import add_health_and_reflection, new_server, set_serving
+from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.pipeline import GenerationPipeline
+from router.request_builder import RequestBuilder
+from router.service import GenerationServicer
+from router.worker_pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.address = ""
+        self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.routing_policy,
+                               config.health_interval_s)
+        self.metrics = RouterMetrics(self.pool)
+        self.pipeline = GenerationPipeline(config, self.pool)
+        self._server = None
+        self._health = None
+        self._servicer: GenerationServicer | None = None
+        self._metrics_server = None
+
+    async def start(self, wait_for_workers_s: float = 0.0) -> str:
+        config = self.config
+        loop = asyncio.get_running_loop()
+        builder = await loop.run_in_executor(None, RequestBuilder, config.model, config.max_model_len)
+        await self.pool.start()
+        if wait_for_workers_s:
+            await self.pool.wait_healthy(wait_for_workers_s)
+        self._servicer = GenerationServicer(builder, self.pipeline, self.metrics)
+        self._server = new_server()
+        generate_pb2_grpc.add_GenerationServicer_to_server(self._servicer, self._server)
+        self._health = add_health_and_reflection(self._server, [SERVICE])
+        port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        self.address = f"{config.host}:{port}"
+        await self._server.start()
+        if config.metrics_port is not None:
+            self._metrics_server, _ = self.metrics.serve(config.host, config.metrics_port)
+        await set_serving(self._health, [SERVICE], True)
+        return self.address
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        self._servicer.draining = True
+        await set_serving(self._health, [SERVICE], False)
+        deadline = time.monotonic() + timeout_s
+        while self._servicer.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        await self.pipeline.wait_background()
+        await self.pool.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+
+def run_router(config: RouterConfig) -> int:
+    """Process entry point: serve until SIGTERM/SIGINT, then drain and exit."""
+    async def main() -> None:
+        server = RouterServer(config)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        address = await server.start()
+        print(f"ready: router at {address}", flush=True)
+        await stop.wait()
+        await server.drain()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,1 @@
+"""What prefill and decode workers share: config, the engine thread, the gRPC server."""

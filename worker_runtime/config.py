@@ -1,0 +1,48 @@
+"""Configuration of one worker process (prefill or decode role)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from kv_transfer import KVTransferConfig
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class WorkerConfig:
+    role: str
+    """"prefill" (prompts to their first token, KV kept under a lease) or "decode"."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds to."""
+    port: int = 0
+    """gRPC port; 0 picks a free one."""
+    advertise_host: str | None = None
+    """Host others should dial (default: host, or this machine's address when host is 0.0.0.0)."""
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lease_s: float = 30.0
+    """Prefill: how long a prompt's blocks wait for a decode worker to pull them."""
+    pull_timeout_s: float = 20.0
+    """Decode: deadline of one KV pull (keep it below the prefill lease)."""
+    max_num_requests: int = 1024
+    """Requests a worker accepts at once (queued + running + transfers); more get RESOURCE_EXHAUSTED."""
+    num_threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: how long in-flight requests may take to finish before the process exits."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")
+        for name in ("lease_s", "pull_timeout_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.pull_timeout_s >= self.lease_s:
+            raise ValueError("pull_timeout_s must be shorter than lease_s")
+        if self.max_num_requests < 1:
+            raise ValueError("max_num_requests must be >= 1")
+        if self.num_threads < 0:
+            raise ValueError("num_threads must be >= 0")

@@ -1,0 +1,138 @@
+"""The engine thread: the only thread that touches the engine.
+
+The gRPC server runs on an asyncio loop; the engine is synchronous torch code.
+Handlers hand work to this thread as closures (`call`), which run between
+engine steps; results and per-step deltas hop back onto the asyncio loop with
+`call_soon_threadsafe`. Role subclasses add their transfer bookkeeping by
+overriding `poll` (called every iteration) and `on_delta`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import SampleDelta
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[Any], None]
+"""Receives a request's SampleDeltas, or an exception that ends it (called on the asyncio loop)."""
+
+
+class EngineLoop(threading.Thread):
+    idle_wait_s = 0.5
+    """Longest sleep while nothing runs (commands wake the thread at once)."""
+    transfer_poll_s = 0.001
+    """Sleep between transfer polls while only transfers are in flight."""
+
+    def __init__(self, engine: LLMEngine, aio_loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(name="engine-loop", daemon=True)
+        self.engine = engine
+        self.aio = aio_loop
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stopping = threading.Event()
+        self.requests_total = 0
+        self.stats: dict[str, int] = {}
+        """Snapshot refreshed after every iteration; safe to read from any thread."""
+
+    # ---- called from the asyncio side -----------------------------------
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run `fn()` on the engine thread; the future gets its result or exception."""
+        future = self.aio.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self._resolve(future, exc=exc)
+            else:
+                self._resolve(future, result=result)
+
+        self._commands.put(run)
+        return future
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._commands.put(None)
+
+    # ---- engine thread --------------------------------------------------
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._run_commands()
+                self.poll()
+                if self.engine.has_unfinished():
+                    for delta in self.engine.step():
+                        self.on_delta(delta)
+                self._snapshot()
+            except Exception:  # keep serving: one bad step must not kill the worker silently
+                logger.exception("engine loop iteration failed")
+                self._fail_all(RuntimeError("engine step failed; see the worker log"))
+
+    def _run_commands(self) -> None:
+        block = not self.engine.has_unfinished()
+        timeout = self.transfer_poll_s if self.has_transfers() else self.idle_wait_s
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                return
+            if command is None:
+                return
+            command()
+            block = False
+
+    def has_transfers(self) -> bool:
+        return False
+
+    def poll(self) -> None:
+        """Role hook: advance transfers."""
+
+    def on_delta(self, delta: SampleDelta) -> None:
+        self.emit(delta.request_id, delta, last=delta.finished)
+
+    def emit(self, request_id: str, item: Any, last: bool) -> None:
+        sink = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
+        if sink is not None:
+            self.aio.call_soon_threadsafe(sink, item)
+
+    def add_sink(self, request_id: str, sink: Sink) -> None:
+        self._sinks[request_id] = sink
+
+    def num_requests(self) -> int:
+        """Requests this worker holds anything for (engine queue, running batch, transfers)."""
+        return len(self.engine.scheduler.requests)
+
+    def extra_stats(self) -> dict[str, int]:
+        return {}
+
+    def _snapshot(self) -> None:
+        scheduler = self.engine.scheduler
+        stats = {"kv_blocks_total": self.engine.num_kv_blocks_total,
+                 "kv_blocks_used": self.engine.num_kv_blocks_used,
+                 "num_requests": self.num_requests(),
+                 "num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
+                 "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
+                 "requests_total": self.requests_total}
+        stats.update(self.extra_stats())
+        self.stats = stats
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self._sinks):
+            self.engine.abort_request(request_id)
+            self.emit(request_id, exc, last=True)
+
+    def _resolve(self, future: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        self.aio.call_soon_threadsafe(settle)

@@ -1,0 +1,26 @@
+"""Failures a worker reports to the router, each mapped to one gRPC status code."""
+from __future__ import annotations
+
+import grpc
+
+
+class WorkerError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+
+class Overloaded(WorkerError):
+    """The worker holds as many requests as it accepts (or its KV stayed full)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class KVPullFailed(WorkerError):
+    """The prompt's KV could not be pulled from the prefill worker (dead, expired lease, refused)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Draining(WorkerError):
+    """The process is shutting down and takes no new requests."""
+
+    code = grpc.StatusCode.UNAVAILABLE

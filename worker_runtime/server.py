@@ -1,0 +1,118 @@
+"""One worker process: engine + engine thread + kv_transfer side + gRPC server.
+
+`WorkerServer` starts and stops in any asyncio loop (tests run it in-process,
+the Ray actor in a thread of its own); `run_worker` is the process entry point
+behind `pdserve prefill-worker` / `pdserve decode-worker`, with SIGTERM drain.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+import signal
+import time
+
+import torch
+
+from decode_worker.decode_loop import DecodeLoop
+from engine.llm_engine import LLMEngine
+from kv_transfer import KVLayout, make_receiver, make_sender
+from pdserve.grpc_common import add_health_and_reflection, new_server, set_serving
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
+from prefill_worker.prefill_loop import PrefillLoop
+from worker_runtime.config import WorkerConfig
+from worker_runtime.servicer import WorkerServicer
+
+logger = logging.getLogger(__name__)
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class WorkerServer:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.address = ""
+        self.engine: LLMEngine | None = None
+        self._transfer_side = None
+        self._loop_thread: PrefillLoop | DecodeLoop | None = None
+        self._server = None
+        self._health = None
+        self._servicer: WorkerServicer | None = None
+
+    async def start(self) -> str:
+        """Load the model, open the KV transfer side, serve; returns host:port."""
+        config = self.config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        aio = asyncio.get_running_loop()
+        self.engine = await aio.run_in_executor(None, LLMEngine, config.engine)
+        kv_cache = self.engine.runner.kv_cache
+        layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name)
+        if config.role == "prefill":
+            self._transfer_side = await aio.run_in_executor(None, make_sender, kv_cache, layout, config.kv_transfer)
+            self._loop_thread = PrefillLoop(self.engine, aio, self._transfer_side)
+        else:
+            self._transfer_side = await aio.run_in_executor(None, make_receiver, kv_cache, layout,
+                                                            config.kv_transfer)
+            self._loop_thread = DecodeLoop(self.engine, aio, self._transfer_side, config.pull_timeout_s)
+        self._loop_thread.start()
+        self._server = new_server()
+        port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        self.address = f"{_advertised_host(config)}:{port}"
+        self._servicer = WorkerServicer(config, self._loop_thread, self.address,
+                                        getattr(self._transfer_side, "backend_name", ""))
+        worker_pb2_grpc.add_WorkerServicer_to_server(self._servicer, self._server)
+        self._health = add_health_and_reflection(self._server, [SERVICE])
+        await self._server.start()
+        await set_serving(self._health, [SERVICE], True)
+        logger.info("%s worker serving at %s (kv_transfer %s)", config.role, self.address,
+                    self._servicer.backend)
+        return self.address
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Stop taking requests (health NOT_SERVING, new calls UNAVAILABLE); wait for in-flight ones."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        if self._servicer is None:
+            return
+        self._servicer.draining = True
+        await set_serving(self._health, [SERVICE], False)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (self._servicer.in_flight
+                                               or self._loop_thread.stats.get("num_requests", 0)):
+            await asyncio.sleep(0.05)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._loop_thread is not None:
+            self._loop_thread.stop()
+            self._loop_thread.join(timeout=10)
+        if self._transfer_side is not None:
+            self._transfer_side.close()
+
+
+def _advertised_host(config: WorkerConfig) -> str:
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host in ("0.0.0.0", "::"):
+        return config.kv_transfer.public_host
+    return config.host
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Process entry point: serve until SIGTERM/SIGINT, then drain and exit."""
+    async def main() -> None:
+        server = WorkerServer(config)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        address = await server.start()
+        print(f"ready: {config.role} worker at {address}", flush=True)
+        await stop.wait()
+        logger.info("draining (up to %.0f s)", config.drain_timeout_s)
+        await server.drain()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
