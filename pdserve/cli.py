@@ -29,32 +29,132 @@ def engine_config_from_args(args: argparse.Namespace):
                           enable_prefix_caching=not args.no_prefix_caching))
 
 
+def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:
+    add_engine_args(p)
+    if standalone:
+        p.add_argument("--host", default="127.0.0.1", help="interface the worker's gRPC server binds to")
+        p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+        p.add_argument("--advertise-host", default=None, help="host the router and peers should dial")
+    p.add_argument("--kv-transfer-backend", default="auto", choices=["auto", "nixl", "tcp"])
+    p.add_argument("--kv-transfer-host", default=None,
+                   help="interface of the KV transfer listener (default: the gRPC host)")
+    p.add_argument("--kv-transfer-port", type=int, default=0)
+    p.add_argument("--lease-s", type=float, default=30.0, help="prefill: how long KV waits for decode to pull it")
+    p.add_argument("--pull-timeout-s", type=float, default=20.0, help="decode: deadline of one KV pull")
+    p.add_argument("--max-num-requests", type=int, default=1024,
+                   help="requests a worker holds at once; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+
+
+def worker_config_from_args(args: argparse.Namespace, role: str, standalone: bool = True):
+    """WorkerConfig from the worker flags; `serve` (not standalone) picks hosts and ports itself."""
+    from kv_transfer import KVTransferConfig
+    from worker_runtime.config import WorkerConfig
+    host = args.host if standalone else "127.0.0.1"
+    advertise = args.advertise_host if standalone else None
+    kv = KVTransferConfig(backend=args.kv_transfer_backend, host=args.kv_transfer_host or host,
+                          port=args.kv_transfer_port, advertise_host=advertise)
+    return WorkerConfig(role=role, engine=engine_config_from_args(args), host=host,
+                        port=args.port if standalone else 0, advertise_host=advertise,
+                        kv_transfer=kv, lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
+                        max_num_requests=args.max_num_requests, num_threads=args.num_threads,
+                        drain_timeout_s=args.drain_timeout_s)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="interface the gRPC server binds to")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port of the Generation service")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    p.add_argument("--routing-policy", default="least_loaded", choices=["least_loaded", "round_robin"])
+    p.add_argument("--health-interval-s", type=float, default=1.0)
+    p.add_argument("--router-drain-timeout-s", type=float, default=30.0)
+
+
+def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode: list[str]):
+    from router.config import RouterConfig
+    return RouterConfig(model=args.model, host=args.host, port=args.port, prefill_workers=prefill,
+                        decode_workers=decode, routing_policy=args.routing_policy,
+                        max_model_len=args.max_model_len, health_interval_s=args.health_interval_s,
+                        lease_s=args.lease_s if hasattr(args, "lease_s") else 30.0,
+                        metrics_port=args.metrics_port, drain_timeout_s=args.router_drain_timeout_s)
+
+
+def _addresses(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+
     gen = sub.add_parser("generate", help="generate completions for a JSONL file of requests")
     gen.add_argument("--offline", action="store_true", help="run the engine in this process")
+    gen.add_argument("--url", help="host:port of a running pdserve router (instead of --offline)")
+    gen.add_argument("--stream", action="store_true",
+                     help="with --url: print every chunk as a JSON line on stdout as it arrives")
+    gen.add_argument("--timeout", type=float, default=None, help="with --url: per-request deadline, seconds")
     gen.add_argument("--input", required=True)
     gen.add_argument("--output", required=True)
     add_engine_args(gen)
+
+    serve = sub.add_parser("serve", help="run a local cluster: Ray-placed prefill and decode workers plus a router")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill)")
+    serve.add_argument("--decode", type=int, default=1, help="decode workers")
+    serve.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    add_router_args(serve)
+    add_worker_args(serve, standalone=False)
+
+    router = sub.add_parser("router", help="run the router alone (workers started elsewhere)")
+    router.add_argument("--prefill-workers", default="", help="comma-separated host:port of prefill workers")
+    router.add_argument("--decode-workers", required=True, help="comma-separated host:port of decode workers")
+    router.add_argument("--lease-s", type=float, default=30.0)
+    add_router_args(router)
+    router.add_argument("--model", default="default", help="checkpoint directory (tokenizer), or 'default'")
+    router.add_argument("--max-model-len", type=int, default=None)
+
+    for role in ("prefill", "decode"):
+        worker = sub.add_parser(f"{role}-worker", help=f"run one {role} worker (its own gRPC server)")
+        add_worker_args(worker, standalone=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except ValueError as exc:  # a config dataclass refused a flag
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "generate":
+        if args.url:
+            from pdserve.client import run_generate_url
+            return run_generate_url(args)
         if not args.offline:
-            print("error: only --offline generation is available in this version", file=sys.stderr)
+            print("error: give --url HOST:PORT (a running cluster) or --offline", file=sys.stderr)
             return 2
-        try:
-            config = engine_config_from_args(args)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        config = engine_config_from_args(args)
         from pdserve.offline import run_offline
         return run_offline(args, config)
+    if args.command in ("prefill-worker", "decode-worker"):
+        from worker_runtime.server import run_worker
+        return run_worker(worker_config_from_args(args, args.command.split("-")[0]))
+    if args.command == "router":
+        from router.server import run_router
+        return run_router(router_config_from_args(args, _addresses(args.prefill_workers),
+                                                  _addresses(args.decode_workers)))
+    if args.command == "serve":
+        from pdserve.cluster import ClusterConfig, run_serve
+        worker = worker_config_from_args(args, "decode", standalone=False)
+        config = ClusterConfig(router=router_config_from_args(args, [], []), worker=worker,
+                               num_prefill=args.prefill, num_decode=args.decode, ray_address=args.ray_address,
+                               log_level=args.log_level.upper())
+        return run_serve(config)
     return 2
 
 

@@ -16,7 +16,7 @@ class RouterConfig:
     prefill_workers: list[str] = field(default_factory=list)
     """host:port of each prefill worker; none means decode workers prefill themselves (co-located)."""
     decode_workers: list[str] = field(default_factory=list)
-    """host:port of each decode worker (at least one)."""
+    """host:port of each decode worker (until one is known, requests get UNAVAILABLE)."""
     routing_policy: str = "least_loaded"
     max_model_len: int | None = None
     """Longest prompt plus output; defaults to the model's max_position_embeddings."""
@@ -30,8 +30,6 @@ class RouterConfig:
     """On SIGTERM: how long in-flight requests may take before the process exits."""
 
     def __post_init__(self) -> None:
-        if not self.decode_workers:
-            raise ValueError("at least one decode worker is needed")
         for address in [*self.prefill_workers, *self.decode_workers]:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():

@@ -1,0 +1,176 @@
+"""`pdserve serve`: Ray places the workers, this process runs the router.
+
+Ray starts a local cluster (or joins `--ray-address`), places N prefill and M
+decode worker actors (one GPU each when CUDA is present) and restarts an actor
+whose process dies; each actor runs an ordinary worker process body (its own
+gRPC server) on a port chosen here, so a restarted worker comes back on the
+same address and the router's health poll puts it back in rotation. Ray is
+placement and supervision only: requests and KV never pass through it.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+
+from router.config import RouterConfig
+from router.server import RouterServer
+from worker_runtime.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+ACTOR_MAX_RESTARTS = 3
+WORKER_START_TIMEOUT_S = 900.0  # first start may convert the model and build the CPU kernel
+
+
+class WorkerProcess:
+    """Body of a worker actor: a WorkerServer on an asyncio loop of its own thread."""
+
+    def __init__(self, config: WorkerConfig, log_level: str = "WARNING") -> None:
+        from worker_runtime.server import WorkerServer
+
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._server = WorkerServer(config)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._run, name="worker-server", daemon=True).start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._server.start())
+        except BaseException as exc:  # noqa: BLE001 - reported by address()
+            self._error = exc
+        self._ready.set()
+        self._loop.run_forever()
+
+    def address(self) -> str:
+        self._ready.wait(WORKER_START_TIMEOUT_S)
+        if self._error is not None:
+            raise RuntimeError(f"worker failed to start: {self._error!r}")
+        return self._server.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        future = asyncio.run_coroutine_threadsafe(self._server.stop(), self._loop)
+        future.result(timeout=30)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    router: RouterConfig
+    worker: WorkerConfig
+    """Template for every worker (role and port are set per worker)."""
+    num_prefill: int = 1
+    num_decode: int = 1
+    ray_address: str | None = None
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0:
+            raise ValueError("--prefill must be >= 0 (0: decode workers prefill themselves)")
+        if self.num_decode < 1:
+            raise ValueError("--decode must be >= 1")
+
+
+class RayCluster:
+    """Starts and stops the worker actors; `addresses` once started."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.actors: list = []
+        self.addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        self._started_ray = False
+
+    def start(self) -> None:
+        import ray
+        import torch
+
+        cfg = self.config
+        num_workers = cfg.num_prefill + cfg.num_decode
+        if not ray.is_initialized():
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address, logging_level=logging.WARNING, log_to_driver=True)
+            else:
+                ray.init(num_cpus=max(os.cpu_count() or 1, num_workers), include_dashboard=False,
+                         logging_level=logging.WARNING, log_to_driver=True)
+            self._started_ray = True
+        use_gpu = torch.cuda.is_available()
+        threads = cfg.worker.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
+        actor_cls = ray.remote(WorkerProcess)
+        pending = []
+        for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+            for _ in range(count):
+                engine = dataclasses.replace(cfg.worker.engine, device="cuda" if use_gpu else cfg.worker.engine.device)
+                port = cfg.worker.port or free_port(cfg.worker.host)
+                worker = dataclasses.replace(cfg.worker, role=role, port=port, num_threads=threads, engine=engine)
+                actor = actor_cls.options(num_cpus=1, num_gpus=1 if use_gpu else 0,
+                                          max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
+                                          name=None).remote(worker, cfg.log_level)
+                self.actors.append(actor)
+                pending.append((role, actor.address.remote()))
+        for role, ref in pending:
+            self.addresses[role].append(ray.get(ref, timeout=WORKER_START_TIMEOUT_S))
+
+    def worker_pids(self) -> list[int]:
+        import ray
+        return ray.get([a.pid.remote() for a in self.actors], timeout=30)
+
+    def stop(self) -> None:
+        import ray
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        if self._started_ray:
+            ray.shutdown()
+
+
+def run_serve(config: ClusterConfig) -> int:
+    """Start the workers under Ray and the router here; stop everything on SIGINT/SIGTERM."""
+    cluster = RayCluster(config)
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start()
+        if stop.is_set():
+            return 0
+        router_config = dataclasses.replace(config.router, prefill_workers=cluster.addresses["prefill"],
+                                            decode_workers=cluster.addresses["decode"])
+        return asyncio.run(_serve_router(router_config, stop, config))
+    finally:
+        cluster.stop()
+
+
+async def _serve_router(router_config: RouterConfig, stop: threading.Event, config: ClusterConfig) -> int:
+    router = RouterServer(router_config)
+    address = await router.start(wait_for_workers_s=60.0)
+    metrics = ""
+    if router_config.metrics_port is not None:
+        metrics = f", metrics at http://{router_config.host}:{router_config.metrics_port}/metrics"
+    print(f"ready: pdserve serving at {address} ({config.num_prefill} prefill, {config.num_decode} decode"
+          f"{metrics})", flush=True)
+    while not stop.is_set():
+        await asyncio.sleep(0.1)
+    await router.drain()
+    await router.stop()
+    return 0
