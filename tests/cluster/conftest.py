@@ -1,0 +1,34 @@
+"""One cluster of real processes for the module: 2 prefill + 2 decode workers, two routers over them."""
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.harness import free_port, start_router, start_worker
+
+
+@pytest.fixture(scope="session")
+def workers(smollm2_dir):
+    started = []
+    try:
+        for role in ("prefill", "prefill", "decode", "decode"):
+            started.append(start_worker(role))
+        yield {"prefill": started[:2], "decode": started[2:]}
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+@pytest.fixture(scope="session")
+def router_1p1d(workers):
+    proc = start_router(workers["prefill"][:1], workers["decode"][:1])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def router_2p2d(workers):
+    port = free_port()
+    proc = start_router(workers["prefill"], workers["decode"], "--metrics-port", str(port))
+    proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    yield proc
+    proc.stop()
