@@ -14,6 +14,8 @@ from router.pipeline import GenerationPipeline, PipelineError
 from router.request_builder import RequestBuilder
 
 logger = logging.getLogger(__name__)
+_END = object()
+_ABORTED = object()
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -39,27 +41,46 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if prepared.request_id in self._running:
             await self._fail(context, grpc.StatusCode.ALREADY_EXISTS,
                              f"request_id: {prepared.request_id!r} is already running")
-        self._running[prepared.request_id] = asyncio.current_task()
+        # The pipeline runs in a task of our own so that Abort (from another call) can cancel it.
+        items: asyncio.Queue = asyncio.Queue()
+        producer = asyncio.create_task(self._produce(prepared, context.time_remaining(), items))
+        self._running[prepared.request_id] = producer
         first_token_seen = False
         try:
-            async for msg in self.pipeline.generate(prepared, context.time_remaining()):
-                if msg.HasField("chunk"):
-                    if not first_token_seen and msg.chunk.token_ids:
+            while (item := await items.get()) is not _END:
+                if item is _ABORTED:
+                    await self._fail(context, grpc.StatusCode.CANCELLED, "aborted by an Abort call")
+                if isinstance(item, PipelineError):
+                    await self._fail(context, item.code, str(item))
+                if isinstance(item, BaseException):
+                    raise item
+                if item.HasField("chunk"):
+                    if not first_token_seen and item.chunk.token_ids:
                         first_token_seen = True
                         self.metrics.ttft.observe(time.perf_counter() - arrival)
-                    self.metrics.generation_tokens.inc(len(msg.chunk.token_ids))
+                    self.metrics.generation_tokens.inc(len(item.chunk.token_ids))
                 else:
-                    self.metrics.success.labels(finish_reason_name(msg.complete.finish_reason)).inc()
-                    self.metrics.prompt_tokens.inc(msg.complete.usage.prompt_tokens)
-                yield msg
+                    self.metrics.success.labels(finish_reason_name(item.complete.finish_reason)).inc()
+                    self.metrics.prompt_tokens.inc(item.complete.usage.prompt_tokens)
+                yield item
             self.metrics.e2e.observe(time.perf_counter() - arrival)
-        except PipelineError as exc:
-            await self._fail(context, exc.code, str(exc))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client cancelled or its deadline passed
             self.metrics.failures.labels(grpc.StatusCode.CANCELLED.name).inc()
             raise
         finally:
+            producer.cancel()  # its pipeline aborts the request on every worker it touched
             self._running.pop(prepared.request_id, None)
+
+    async def _produce(self, prepared, timeout_s, items: asyncio.Queue) -> None:
+        try:
+            async for msg in self.pipeline.generate(prepared, timeout_s):
+                items.put_nowait(msg)
+            items.put_nowait(_END)
+        except asyncio.CancelledError:
+            items.put_nowait(_ABORTED)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the handler
+            items.put_nowait(exc)
 
     async def Abort(self, request, context):
         task = self._running.get(request.request_id)
