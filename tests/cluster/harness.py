@@ -14,7 +14,7 @@ import grpc
 
 from pdserve.protocol import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-READY = re.compile(r"ready: .* at (\S+)")
+READY = re.compile(r"ready: .*? at (\S+)")
 WORKER_FLAGS = ["--model", "default", "--dtype", "float32", "--kv-cache-memory-gib", "0.25", "--num-threads", "1",
                 "--max-num-batched-tokens", "512"]
 

@@ -1,0 +1,51 @@
+"""`pdserve serve`: Ray places the workers, the router answers, SIGINT leaves no process behind."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value, start
+
+
+def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
+    metrics_port = free_port()
+    proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0",
+                           "--metrics-port", str(metrics_port), *WORKER_FLAGS])
+    try:
+        descendants = psutil.Process(proc.popen.pid).children(recursive=True)
+        assert len(descendants) >= 3, descendants  # Ray's own processes plus the two worker actors
+        lines = [{"id": "a", "messages": [{"role": "user", "content": "Name a color."}], "temperature": 0,
+                  "max_tokens": 12},
+                 {"id": "b", "prompt": "1, 2, 3,", "temperature": 0, "max_tokens": 8, "ignore_eos": True},
+                 {"id": "bad", "prompt": "x", "temperature": -1}]
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        done = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--url", proc.address, "--stream",
+                               "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1  # the bad line
+        assert "line 3: field 'temperature'" in done.stderr
+        out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert [o["id"] for o in out] == ["a", "b"]
+        assert out[1]["usage"]["completion_tokens"] == 8 and out[1]["finish_reason"] == "length"
+        streamed = [json.loads(x) for x in done.stdout.splitlines()]
+        assert "".join(s["text"] for s in streamed if s["id"] == "b") == out[1]["text"]
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        deadline = time.monotonic() + 10
+        while True:  # the contract's leak check: the router's view of every worker
+            used = [metric_value(url, "pdserve:worker_kv_blocks_used", role=r) for r in ("prefill", "decode")]
+            held = [metric_value(url, "pdserve:worker_num_requests", role=r) for r in ("prefill", "decode")]
+            if used == [0.0, 0.0] and held == [0.0, 0.0]:
+                break
+            assert time.monotonic() < deadline, (used, held)
+            time.sleep(0.3)
+    finally:
+        code = proc.stop(signal.SIGINT, timeout=60)
+    assert code == 0, "".join(proc.output[-30:])
+    time.sleep(1.0)
+    alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.name()) for p in alive]
