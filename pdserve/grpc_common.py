@@ -1,6 +1,10 @@
 """What every pdserve gRPC server carries: health, reflection, message limits."""
 from __future__ import annotations
 
+import asyncio
+import signal
+from typing import Callable
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -30,3 +34,20 @@ async def set_serving(servicer: "health.aio.HealthServicer", service_names: list
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def run_until_signalled(server, ready_line: Callable[[str], str]) -> int:
+    """Process body of a router or worker: start `server`, print its ready line, and on
+    SIGTERM/SIGINT drain it (no new requests, in-flight ones finish) and stop."""
+    async def main() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        address = await server.start()
+        print(ready_line(address), flush=True)
+        await stop.wait()
+        await server.drain()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 
-from pdserve.grpc_common import add_health_and_reflection, new_server, set_serving
+from pdserve.grpc_common import add_health_and_reflection, new_server, run_until_signalled, set_serving
 from pdserve.protocol import generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -72,16 +71,4 @@ class RouterServer:
 
 def run_router(config: RouterConfig) -> int:
     """Process entry point: serve until SIGTERM/SIGINT, then drain and exit."""
-    async def main() -> None:
-        server = RouterServer(config)
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        address = await server.start()
-        print(f"ready: router at {address}", flush=True)
-        await stop.wait()
-        await server.drain()
-        await server.stop()
-
-    asyncio.run(main())
-    return 0
+    return run_until_signalled(RouterServer(config), lambda address: f"ready: router at {address}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-import signal
 import time
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from decode_worker.decode_loop import DecodeLoop
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVLayout, make_receiver, make_sender
-from pdserve.grpc_common import add_health_and_reflection, new_server, set_serving
+from pdserve.grpc_common import add_health_and_reflection, new_server, run_until_signalled, set_serving
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
@@ -102,17 +101,4 @@ def _advertised_host(config: WorkerConfig) -> str:
 
 def run_worker(config: WorkerConfig) -> int:
     """Process entry point: serve until SIGTERM/SIGINT, then drain and exit."""
-    async def main() -> None:
-        server = WorkerServer(config)
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        address = await server.start()
-        print(f"ready: {config.role} worker at {address}", flush=True)
-        await stop.wait()
-        logger.info("draining (up to %.0f s)", config.drain_timeout_s)
-        await server.drain()
-        await server.stop()
-
-    asyncio.run(main())
-    return 0
+    return run_until_signalled(WorkerServer(config), lambda address: f"ready: {config.role} worker at {address}")
