@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -85,7 +86,7 @@ async def one_request(stub, rid: str, prompt: list[int], output_len: int) -> dic
     end = time.perf_counter()
     return {"ok": ok and tokens == output_len, "tokens": tokens, "send": sent, "end": end,
             "ttft": stamps[0] - sent if stamps else None, "e2e": end - sent,
-            "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
+            "itl": [b - a for a, b in itertools.pairwise(stamps)]}
 
 
 async def run_workload(address: str, prompts, offsets, output_len: int, warmup: list[list[int]]) -> list[dict]:
@@ -102,9 +103,13 @@ async def run_workload(address: str, prompts, offsets, output_len: int, warmup: 
         return list(await asyncio.gather(*(at(i) for i in range(len(prompts)))))
 
 
+def pct(xs: list[float], q: float) -> float:
+    """q-th percentile of seconds, in ms."""
+    return float(np.percentile(xs, q)) * 1000 if xs else float("nan")
+
+
 def summarise(results: list[dict]) -> dict:
     ok = [r for r in results if r["ok"]]
-    pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else float("nan")  # noqa: E731 - ms
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["itl"]]
     first_itl = [r["itl"][0] for r in ok if r["itl"]]
@@ -173,6 +178,13 @@ def print_table(results: dict) -> None:
         print(f"| {label} | {' | '.join(cells)} |")
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -206,8 +218,8 @@ def main() -> int:
           "1P1D: prefill and decode worker with --num-threads 1 each, co-located: one worker with --num-threads 2")
     print_table(results)
     out = {"workload": vars(args),
-           "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                       "processor": platform.processor(), "python": platform.python_version()},
+           "machine": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+                       "python": platform.python_version()},
            "results": {CONFIGS[n]: r for n, r in results.items()}}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=2))
