@@ -1,4 +1,4 @@
-"""Optional C++ CPU kernel for decode attention, built on first use.
+"""Optional C++ CPU kernels (decode attention over the paged cache), built on first use.
 
 Compiled with torch's extension builder (needs a C++ compiler; cached under
 TORCH_EXTENSIONS_DIR). If it cannot be built, `load()` returns None and the
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_SOURCES = sorted(str(p) for p in (Path(__file__).with_name("csrc")).glob("*.cpp"))
 _module = None
 _tried = False
 
@@ -26,10 +26,10 @@ def load():
         return None
     try:
         from torch.utils.cpp_extension import load as build
-        _module = build(name="pdserve_paged_decode", sources=[str(_SOURCE)],
+        _module = build(name="pdserve_cpu_kernels", sources=_SOURCES,
                         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
-        logger.warning("C++ decode-attention kernel unavailable (%s); using the torch path", exc)
+        logger.warning("C++ CPU kernels unavailable (%s); using the torch paths", exc)
         _module = None
     return _module

@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama, Qwen2 with q/k/v bias, Mistral) over a paged KV cache.
 
-Weights are plain tensors: q/k/v are merged into one projection and gate/up
-into another, so a layer is four matrix multiplies over all packed tokens of a
-step. Numerics follow Hugging Face's implementation (RMSNorm in float32,
+q/k/v are merged into one projection and gate/up into another, so a layer is
+four matrix multiplies (`Linear`, prepacked for oneDNN in bf16 on CPU) over all
+packed tokens of a step. Numerics follow Hugging Face's implementation (RMSNorm in float32,
 rotate-half RoPE), so greedy outputs match transformers token for token.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model.linear import Linear
 from engine.model.model_config import ModelConfig
 from engine.model.rotary import RotaryEmbedding
 
@@ -20,12 +21,11 @@ from engine.model.rotary import RotaryEmbedding
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, attention: AttentionBackend,
+                 final_norm: torch.Tensor, lm_head: Linear, attention: AttentionBackend,
                  max_positions: int) -> None:
         self.config = config
         self.embed = embed
@@ -67,15 +67,15 @@ class LlamaModel:
         cos, sin = self.rotary.lookup(positions)
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            qkv = w.qkv(h)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = self.rotary.apply(qk.view(num_tokens, -1, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
-            x = x + F.linear(attn.reshape(num_tokens, self.q_size), w.o_proj)
+            x = x + w.o_proj(attn.reshape(num_tokens, self.q_size))
             h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.gate_up(h).chunk(2, dim=-1)
+            x = x + w.down(F.silu(gate) * up)
         h = rms_norm(x[logits_indices], self.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from engine.attention import make_backend
+from engine.model.linear import Linear
 from engine.model.llama import LayerWeights, LlamaModel
 from engine.model.model_config import ModelConfig
 
@@ -52,11 +53,11 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
         gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
-            qkv=qkv, qkv_bias=bias,
-            o_proj=take(p + "self_attn.o_proj.weight"),
+            qkv=Linear(qkv, bias),
+            o_proj=Linear(take(p + "self_attn.o_proj.weight")),
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=gate_up,
-            down=take(p + "mlp.down_proj.weight"),
+            gate_up=Linear(gate_up),
+            down=Linear(take(p + "mlp.down_proj.weight")),
         ))
     embed = take("model.embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in raw:
@@ -64,4 +65,4 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     else:
         lm_head = take("lm_head.weight")
     attention = make_backend(attention_backend, config.num_heads, config.num_kv_heads, config.head_dim)
-    return LlamaModel(config, embed, layers, take("model.norm.weight"), lm_head, attention, max_positions)
+    return LlamaModel(config, embed, layers, take("model.norm.weight"), Linear(lm_head), attention, max_positions)

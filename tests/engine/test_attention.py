@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
-from engine.attention import cpu_kernels
+from engine import cpu_kernels
 from engine.attention.torch_paged import TorchPagedAttention
 
 H, HKV, D, BS, NB = 9, 3, 64, 16, 40
