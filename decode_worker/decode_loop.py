@@ -6,6 +6,10 @@ and joins the running batch with its first token once the pull is DONE. When
 blocks are short the request waits (in arrival order) until running requests
 free some, up to `pull_timeout_s`. A request without a handle is prefilled
 here (co-located mode).
+
+A pull takes a few milliseconds while an engine step can take a hundred, so
+after starting pulls the loop waits for them (up to `join_wait_s`) before
+stepping: the request then decodes in this step instead of two steps later.
 """
 from __future__ import annotations
 
@@ -48,6 +52,9 @@ class _Job:
 
 
 class DecodeLoop(EngineLoop):
+    join_wait_s = 0.02
+    """How long a step may wait for pulls started just before it."""
+
     def __init__(self, engine: LLMEngine, aio_loop: asyncio.AbstractEventLoop, receiver: KVReceiver,
                  pull_timeout_s: float) -> None:
         super().__init__(engine, aio_loop)
@@ -95,7 +102,14 @@ class DecodeLoop(EngineLoop):
         return bool(self._pulling or self._queued)
 
     def poll(self) -> None:
-        self._start_pulls()
+        if self._start_pulls() and self.engine.has_unfinished():
+            deadline = time.monotonic() + self.join_wait_s
+            while self._pulling and time.monotonic() < deadline and not self._finish_pulls():
+                time.sleep(0.0005)
+        self._finish_pulls()
+
+    def _finish_pulls(self) -> bool:
+        """Move finished pulls into the engine (or fail them); True once none is in flight."""
         for request_id, job in list(self._pulling.items()):
             state = job.transfer.poll()
             if not state.is_terminal:
@@ -108,15 +122,18 @@ class DecodeLoop(EngineLoop):
                 self.transfers_failed += 1
                 self.engine.release_kv(request_id)
                 self.emit(request_id, KVPullFailed(f"KV pull failed: {job.transfer.error}"), last=True)
+        return not self._pulling
 
-    def _start_pulls(self) -> None:
+    def _start_pulls(self) -> int:
+        """Start pulls for queued requests while blocks last; returns how many started."""
+        started = 0
         while self._queued:
             job = self._queued[0]
             try:
                 table, num_local = self.engine.reserve_kv(job.request_id, job.prompt)
             except MemoryError:
                 if time.monotonic() < job.give_up_at:
-                    return  # wait for running requests to free blocks
+                    return started  # wait for running requests to free blocks
                 self._queued.popleft()
                 self.emit(job.request_id, Overloaded("no free KV blocks on the decode worker"), last=True)
                 continue
@@ -136,6 +153,8 @@ class DecodeLoop(EngineLoop):
                 self.emit(job.request_id, KVPullFailed(f"KV pull could not start: {exc}"), last=True)
                 continue
             self._pulling[job.request_id] = job
+            started += 1
+        return started
 
     def num_requests(self) -> int:
         return super().num_requests() + len(self._pulling) + len(self._queued)
