@@ -76,7 +76,7 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
     return RouterConfig(model=args.model, host=args.host, port=args.port, prefill_workers=prefill,
                         decode_workers=decode, routing_policy=args.routing_policy,
                         max_model_len=args.max_model_len, health_interval_s=args.health_interval_s,
-                        lease_s=args.lease_s if hasattr(args, "lease_s") else 30.0,
+                        lease_s=args.lease_s,
                         metrics_port=args.metrics_port, drain_timeout_s=args.router_drain_timeout_s)
 
 
@@ -124,39 +124,38 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return _run(args)
+        job = _prepare(args)
     except ValueError as exc:  # a config dataclass refused a flag
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    return job()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _prepare(args: argparse.Namespace):
+    """Validate the flags into config objects; return the command to run."""
     if args.command == "generate":
         if args.url:
             from pdserve.client import run_generate_url
-            return run_generate_url(args)
+            return lambda: run_generate_url(args)
         if not args.offline:
-            print("error: give --url HOST:PORT (a running cluster) or --offline", file=sys.stderr)
-            return 2
+            raise ValueError("give --url HOST:PORT (a running cluster) or --offline")
         config = engine_config_from_args(args)
         from pdserve.offline import run_offline
-        return run_offline(args, config)
+        return lambda: run_offline(args, config)
     if args.command in ("prefill-worker", "decode-worker"):
         from worker_runtime.server import run_worker
-        return run_worker(worker_config_from_args(args, args.command.split("-")[0]))
+        config = worker_config_from_args(args, args.command.split("-")[0])
+        return lambda: run_worker(config)
     if args.command == "router":
         from router.server import run_router
-        return run_router(router_config_from_args(args, _addresses(args.prefill_workers),
-                                                  _addresses(args.decode_workers)))
-    if args.command == "serve":
-        from pdserve.cluster import ClusterConfig, run_serve
-        worker = worker_config_from_args(args, "decode", standalone=False)
-        config = ClusterConfig(router=router_config_from_args(args, [], []), worker=worker,
-                               num_prefill=args.prefill, num_decode=args.decode, ray_address=args.ray_address,
-                               log_level=args.log_level.upper())
-        return run_serve(config)
-    return 2
-
+        config = router_config_from_args(args, _addresses(args.prefill_workers), _addresses(args.decode_workers))
+        return lambda: run_router(config)
+    from pdserve.cluster import ClusterConfig, run_serve
+    config = ClusterConfig(router=router_config_from_args(args, [], []),
+                           worker=worker_config_from_args(args, "decode", standalone=False),
+                           num_prefill=args.prefill, num_decode=args.decode, ray_address=args.ray_address,
+                           log_level=args.log_level.upper())
+    return lambda: run_serve(config)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,24 @@
+"""Cluster commands refuse bad flags before starting anything: exit 2 and the reason."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CASES = [
+    (["serve", "--decode", "0"], "--decode must be >= 1"),
+    (["serve", "--prefill", "-1"], "--prefill must be >= 0"),
+    (["prefill-worker", "--lease-s", "1", "--pull-timeout-s", "5"], "pull_timeout_s must be shorter than lease_s"),
+    (["decode-worker", "--port", "70000"], "port out of range"),
+    (["router", "--decode-workers", "nohost"], "worker address must be host:port"),
+    (["router", "--decode-workers", "127.0.0.1:1", "--health-interval-s", "0"], "health_interval_s must be > 0"),
+    (["generate", "--input", "in.jsonl", "--output", "out.jsonl"], "give --url HOST:PORT"),
+]
+
+
+@pytest.mark.parametrize("args,message", CASES, ids=[" ".join(c[0][:2]) for c in CASES])
+def test_bad_flags_exit_2_with_the_reason(args, message):
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert message in done.stderr
