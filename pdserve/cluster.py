@@ -54,13 +54,6 @@ class WorkerProcess:
             raise RuntimeError(f"worker failed to start: {self._error!r}")
         return self._server.address
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def stop(self) -> None:
-        future = asyncio.run_coroutine_threadsafe(self._server.stop(), self._loop)
-        future.result(timeout=30)
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -123,10 +116,6 @@ class RayCluster:
                 pending.append((role, actor.address.remote()))
         for role, ref in pending:
             self.addresses[role].append(ray.get(ref, timeout=WORKER_START_TIMEOUT_S))
-
-    def worker_pids(self) -> list[int]:
-        import ray
-        return ray.get([a.pid.remote() for a in self.actors], timeout=30)
 
     def stop(self) -> None:
         import ray

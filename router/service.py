@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import grpc
@@ -13,7 +12,6 @@ from router.metrics import RouterMetrics
 from router.pipeline import GenerationPipeline, PipelineError
 from router.request_builder import RequestBuilder
 
-logger = logging.getLogger(__name__)
 _END = object()
 _ABORTED = object()
 

@@ -6,7 +6,6 @@ A cancelled call (router gone, client cancel, deadline) aborts the request.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import grpc
 
@@ -18,7 +17,6 @@ from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
 from worker_runtime.errors import Draining, Overloaded, WorkerError
 
-logger = logging.getLogger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
