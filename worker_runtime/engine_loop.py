@@ -118,7 +118,7 @@ class EngineLoop(threading.Thread):
                  "num_requests": self.num_requests(),
                  "num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
                  "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
-                 "requests_total": self.requests_total}
+                 "num_preemptions": scheduler.num_preemptions, "requests_total": self.requests_total}
         stats.update(self.extra_stats())
         self.stats = stats
 

@@ -1,0 +1,50 @@
+"""A decode worker short of KV blocks preempts and recomputes instead of failing; outputs stay exact."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from pdserve.grpc_common import insecure_channel
+from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from tests.cluster.harness import assert_no_leaks, start_router, start_worker, worker_stats
+from tests.cluster.test_cluster_outputs import read_results, run_cli
+
+PROMPTS = [f"Story {i}: once upon a time there was a little robot who wanted to learn about {topic}."
+           for i, topic in enumerate(["the sea", "stars", "music", "trees", "cities", "rain"])]
+
+
+def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, smollm2_dir):
+    prefill = start_worker("prefill")
+    # ~13 blocks of 16 tokens: room for about two of these requests at their full length
+    decode = start_worker("decode", "--kv-cache-memory-gib", "0.009")
+    router = start_router([prefill], [decode])
+    try:
+        async def run_all():
+            async with insecure_channel(router.address) as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+
+                async def one(i, text):
+                    tokens = []
+                    async for msg in stub.Generate(generate_pb2.GenerateRequest(
+                            request_id=str(i), text=text, params=generate_pb2.SamplingParams(
+                                temperature=0, max_tokens=60, ignore_eos=True)), timeout=600):
+                        if msg.HasField("chunk"):
+                            tokens.extend(msg.chunk.token_ids)
+                    return tokens
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+        got = asyncio.run(run_all())
+        assert worker_stats(decode.address).num_preemptions > 0, "the test must exercise preemption"
+        lines = [{"id": str(i), "prompt": p, "temperature": 0, "max_tokens": 60, "ignore_eos": True}
+                 for i, p in enumerate(PROMPTS)]
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        done = run_cli(["generate", "--offline", "--model", "default", "--dtype", "float32",
+                        "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")])
+        assert done.returncode == 0, done.stderr
+        expected = read_results(tmp_path / "out.jsonl")
+        for i, tokens in enumerate(got):
+            assert tokens == expected[(str(i), None)]["token_ids"], i
+        assert_no_leaks([prefill, decode])
+    finally:
+        for proc in (router, prefill, decode):
+            proc.stop()
