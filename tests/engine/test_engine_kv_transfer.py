@@ -47,3 +47,39 @@ def test_prefill_transfer_decode_equals_one_engine(smollm2_dir, backend):
     assert tokens == expected
     for engine in (prefill, decode):
         assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_prefill_only_keeps_blocks_until_released(smollm2_dir):
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32",
+                                    cache=CacheConfig(kv_cache_memory_bytes=32 << 20)))
+    prompt = list(range(100, 140))  # 40 tokens: 3 blocks
+    engine.add_request("kept", prompt, SamplingParams(temperature=0, max_tokens=8), prefill_only=True)
+    engine.add_request("done", prompt[:20], SamplingParams(temperature=0, max_tokens=1), prefill_only=True)
+    deltas = {d.request_id: d for d in engine.step()}
+    kept, done = deltas["kept"], deltas["done"]
+    assert len(kept.token_ids) == 1 and not kept.finished and len(kept.kv_block_ids) == 3
+    assert done.finished and done.finish_reason == "length" and done.kv_block_ids is None
+    assert not engine.has_unfinished()
+    assert engine.num_kv_blocks_used == 3  # only the handed-off request's blocks
+    assert engine.release_kv("kept") and not engine.release_kv("kept")
+    assert engine.num_kv_blocks_used == 0
+
+
+def test_decode_continues_a_seeded_sample_as_one_engine_would(smollm2_dir):
+    """The decode side skips the random draw the prefill side made for the first token."""
+    config = EngineConfig(model=str(smollm2_dir), dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=32 << 20))
+    decode, prefill_side = LLMEngine(config), LLMEngine(config)
+    prompt = decode.tokenizer.encode("Tell me about the moon")
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True)
+    expected = decode.generate([prompt], params)[0].completions[0].token_ids  # one engine, start to end
+    prefill_side.add_request("r", prompt, params, prefill_only=True)
+    first = prefill_side.step()[0]
+    dst_table, _ = decode.reserve_kv("r", prompt)
+    decode.runner.kv_cache[dst_table] = prefill_side.runner.kv_cache[first.kv_block_ids]  # the "pull"
+    decode.add_request("r", prompt, params, first_token_id=first.token_ids[0])
+    tokens = list(first.token_ids)
+    while decode.has_unfinished():
+        for d in decode.step():
+            tokens += d.token_ids
+    assert tokens == expected
+    prefill_side.release_kv("r")
