@@ -4,8 +4,11 @@ A request arriving with a KV handle reserves blocks (reusing this engine's own
 prefix-cached blocks), pulls only the blocks it lacks from the prefill worker,
 and joins the running batch with its first token once the pull is DONE. When
 blocks are short the request waits (in arrival order) until running requests
-free some, up to `pull_timeout_s`. A request without a handle is prefilled
-here (co-located mode).
+free some, up to `pull_timeout_s`. If the pull fails (prefill worker gone,
+lease expired) or blocks stayed short, the request is not failed: it enters
+the engine like a preempted one and its prompt is recomputed here (the prefill
+worker is told to drop its copy). A request without a handle is prefilled here
+(co-located mode).
 
 A pull takes a few milliseconds while an engine step can take a hundred, so
 after starting pulls the loop waits for them (up to `join_wait_s`) before
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from collections import deque
@@ -23,7 +27,9 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVReceiver, KVTransferError, Transfer, TransferState
 from worker_runtime.engine_loop import EngineLoop, Sink
-from worker_runtime.errors import KVPullFailed, Overloaded
+
+logger = logging.getLogger(__name__)
+
 
 
 @dataclass
@@ -63,6 +69,7 @@ class DecodeLoop(EngineLoop):
         self._queued: deque[_Job] = deque()
         self._pulling: dict[str, _Job] = {}
         self.transfers_failed = 0
+        self.num_recomputed = 0
 
     # ---- asyncio side ------------------------------------------------------
     def decode(self, request_id: str, prompt: list[int], params: SamplingParams, source: KVSource | None,
@@ -121,7 +128,7 @@ class DecodeLoop(EngineLoop):
             else:
                 self.transfers_failed += 1
                 self.engine.release_kv(request_id)
-                self.emit(request_id, KVPullFailed(f"KV pull failed: {job.transfer.error}"), last=True)
+                self._recompute(job, f"KV pull failed ({job.transfer.error})")
         return not self._pulling
 
     def _start_pulls(self) -> int:
@@ -135,30 +142,44 @@ class DecodeLoop(EngineLoop):
                 if time.monotonic() < job.give_up_at:
                     return started  # wait for running requests to free blocks
                 self._queued.popleft()
-                self.emit(job.request_id, Overloaded("no free KV blocks on the decode worker"), last=True)
+                self._release_remote(job)
+                self._recompute(job, "no free KV blocks to pull into")
                 continue
             self._queued.popleft()
             remote = job.source.block_ids
-            if len(remote) != len(table):
-                self.engine.release_kv(job.request_id)
-                self.emit(job.request_id, KVPullFailed(
-                    f"KV handle has {len(remote)} blocks, the prompt needs {len(table)}"), last=True)
-                continue
             try:
+                if len(remote) != len(table):
+                    raise ValueError(f"the KV handle has {len(remote)} blocks, the prompt needs {len(table)}")
                 job.transfer = self.receiver.read(job.source.peer_info, job.source.transfer_id,
                                                   remote[num_local:], table[num_local:],
                                                   timeout_s=max(0.1, job.give_up_at - time.monotonic()))
             except (KVTransferError, OSError, ValueError) as exc:
+                self.transfers_failed += 1
                 self.engine.release_kv(job.request_id)
-                self.emit(job.request_id, KVPullFailed(f"KV pull could not start: {exc}"), last=True)
+                self._recompute(job, f"KV pull could not start ({exc})")
                 continue
             self._pulling[job.request_id] = job
             started += 1
         return started
+
+    def _recompute(self, job: _Job, why: str) -> None:
+        """Continue without the pulled KV: prompt and first token are recomputed here."""
+        logger.info("%s: %s; recomputing the prompt locally", job.request_id, why)
+        self.num_recomputed += 1
+        self.engine.add_request(job.request_id, job.prompt, job.params, first_token_id=job.source.first_token_id,
+                                recompute_prompt=True)
+
+    def _release_remote(self, job: _Job) -> None:
+        """Tell the prefill worker to free its copy now rather than at lease expiry (an empty read)."""
+        try:
+            self.receiver.read(job.source.peer_info, job.source.transfer_id, [], [], timeout_s=5.0)
+        except (KVTransferError, OSError, ValueError):
+            pass  # the lease expires on its own
 
     def num_requests(self) -> int:
         return super().num_requests() + len(self._pulling) + len(self._queued)
 
     def extra_stats(self) -> dict[str, int]:
         return {"num_pulls": len(self._pulling) + len(self._queued), "transfers_failed": self.transfers_failed,
+                "num_kv_recomputed": self.num_recomputed,
                 "kv_bytes_moved": int(self.receiver.stats().get("bytes_moved", 0))}

@@ -77,12 +77,16 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    first_token_id: int | None = None, prefill_only: bool = False) -> None:
+                    first_token_id: int | None = None, prefill_only: bool = False,
+                    recompute_prompt: bool = False) -> None:
         """Queue a prompt. Raises InvalidParameter naming the bad field.
 
         With `first_token_id` (decode role) the prompt's KV must already sit in
         the blocks `reserve_kv` returned: the request starts where that KV ends,
         with the first token (sampled by the prefill engine) already generated.
+        With `recompute_prompt` as well, that KV is not here (the pull failed or
+        memory stayed short): the prompt and first token are computed locally,
+        as after a preemption, and generation goes on from the second token.
         With `prefill_only` (prefill role) the request stops after its first
         token; unless that token ended it, its blocks are kept (the delta's
         `kv_block_ids`) until `release_kv`.
@@ -92,7 +96,7 @@ class LLMEngine:
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
         if (first_token_id is not None or prefill_only) and params.n > 1:
             raise InvalidParameter("n", "parallel samples need the whole request on one engine")
-        if first_token_id is not None and request_id not in self._reserved:
+        if first_token_id is not None and not recompute_prompt and request_id not in self._reserved:
             raise ValueError(f"{request_id}: call reserve_kv before adding a request with its KV")
         request = Request(request_id, list(prompt_token_ids), params.for_sample(0) if params.n > 1 else params,
                           group_id=request_id, pending_forks=params.n - 1, prefill_only=prefill_only)
@@ -101,8 +105,9 @@ class LLMEngine:
         self._group_params[request_id] = params
         self.scheduler.add_request(request)
         if first_token_id is not None:
-            request.num_computed_tokens = request.num_prompt_tokens
-            request.num_cached_tokens = self._reserved.pop(request_id)
+            if not recompute_prompt:
+                request.num_computed_tokens = request.num_prompt_tokens
+                request.num_cached_tokens = self._reserved.pop(request_id)
             request.append_token(first_token_id)
             if sample.generator is not None and not params.greedy:
                 self.sampler.skip_draw(sample.generator, self.model_config.vocab_size)  # prefill drew it

@@ -14,12 +14,6 @@ class Overloaded(WorkerError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class KVPullFailed(WorkerError):
-    """The prompt's KV could not be pulled from the prefill worker (dead, expired lease, refused)."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-
-
 class Draining(WorkerError):
     """The process is shutting down and takes no new requests."""
 

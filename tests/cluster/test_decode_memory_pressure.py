@@ -10,13 +10,14 @@ from tests.cluster.harness import assert_no_leaks, start_router, start_worker, w
 from tests.cluster.test_cluster_outputs import read_results, run_cli
 
 PROMPTS = [f"Story {i}: once upon a time there was a little robot who wanted to learn about {topic}."
-           for i, topic in enumerate(["the sea", "stars", "music", "trees", "cities", "rain"])]
+           for i, topic in enumerate(["the sea", "stars", "music", "trees", "cities", "rain", "bridges", "snow"])]
 
 
 def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, smollm2_dir):
     prefill = start_worker("prefill")
-    # ~13 blocks of 16 tokens: room for about two of these requests at their full length
-    decode = start_worker("decode", "--kv-cache-memory-gib", "0.009")
+    # ~13 blocks of 16 tokens: room for about two of these requests at their full length; requests
+    # that find no blocks for their pull within 1 s recompute their prompt here instead
+    decode = start_worker("decode", "--kv-cache-memory-gib", "0.009", "--pull-timeout-s", "1")
     router = start_router([prefill], [decode])
     try:
         async def run_all():
@@ -34,7 +35,9 @@ def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, sm
                 return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
 
         got = asyncio.run(run_all())
-        assert worker_stats(decode.address).num_preemptions > 0, "the test must exercise preemption"
+        stats = worker_stats(decode.address)
+        assert stats.num_preemptions > 0, "the test must exercise preemption"
+        assert stats.num_kv_recomputed > 0, "and the fallback of recomputing a prompt whose KV found no room"
         lines = [{"id": str(i), "prompt": p, "temperature": 0, "max_tokens": 60, "ignore_eos": True}
                  for i, p in enumerate(PROMPTS)]
         (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))

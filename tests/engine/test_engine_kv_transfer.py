@@ -83,3 +83,20 @@ def test_decode_continues_a_seeded_sample_as_one_engine_would(smollm2_dir):
             tokens += d.token_ids
     assert tokens == expected
     prefill_side.release_kv("r")
+
+
+def test_recompute_prompt_continues_a_seeded_sample_without_the_kv(smollm2_dir):
+    """A decode engine that never got the KV recomputes prompt + first token and goes on exactly."""
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32",
+                                    cache=CacheConfig(kv_cache_memory_bytes=32 << 20)))
+    prompt = engine.tokenizer.encode("Write a line about rivers")
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)
+    expected = engine.generate([prompt], params)[0].completions[0].token_ids
+    engine.kv.pool.reset_prefix_cache()
+    engine.add_request("r", prompt, params, first_token_id=expected[0], recompute_prompt=True)
+    tokens = [expected[0]]
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens += d.token_ids
+    assert tokens == expected
+    assert engine.num_kv_blocks_used == 0
