@@ -1,9 +1,11 @@
 """The router's view of its workers: connections, health, load, and the pick.
 
 Every worker is polled (`GetStats`, which doubles as the health check) every
-`health_interval_s`. A worker whose call fails with UNAVAILABLE is taken out
-of rotation at once; the poll puts it back when it answers again (e.g. after
-Ray restarted it on the same address).
+`health_interval_s`. A worker that cannot be reached (UNAVAILABLE: the process
+is gone) is taken out of rotation at once; one that is merely slow to answer
+(a busy CPU) only after MAX_SLOW_POLLS polls in a row time out. The poll puts
+a worker back when it answers again (e.g. after Ray restarted it on the same
+address).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pdserve.grpc_common import insecure_channel
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+MAX_SLOW_POLLS = 3
 
 
 @dataclass
@@ -32,6 +35,8 @@ class WorkerClient:
     """Calls this router has open on the worker."""
     stats: worker_pb2.WorkerStats | None = None
     last_error: str = ""
+    slow_polls: int = 0
+    """Consecutive polls that timed out."""
 
     def load(self) -> tuple:
         """Smaller is less loaded: open calls, then queued prompt tokens, then KV in use."""
@@ -96,10 +101,16 @@ class WorkerPool:
 
     async def check(self, worker: WorkerClient) -> None:
         try:
-            stats = await worker.stub.GetStats(worker_pb2.StatsRequest(), timeout=max(1.0, self.health_interval_s))
+            stats = await worker.stub.GetStats(worker_pb2.StatsRequest(),
+                                               timeout=max(2.0, 2 * self.health_interval_s))
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.healthy:
+                worker.slow_polls += 1
+                if worker.slow_polls < MAX_SLOW_POLLS:
+                    return
             self.mark_failed(worker, f"{exc.code().name}: {exc.details()}")
             return
+        worker.slow_polls = 0
         if stats.role != worker.role:
             self.mark_failed(worker, f"is a {stats.role} worker, configured as {worker.role}")
             return
