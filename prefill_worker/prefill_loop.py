@@ -29,19 +29,14 @@ class PrefillResult:
     block_ids: list[int] | None = None
 
 
-@dataclass
-class _Lease:
-    transfer: Transfer
-    expires_at: float
-
-
 class PrefillLoop(EngineLoop):
     def __init__(self, engine: LLMEngine, aio_loop: asyncio.AbstractEventLoop, sender: KVSender) -> None:
         super().__init__(engine, aio_loop)
         self.sender = sender
         self._peer_info_json = json.dumps(sender.peer_info())
         self._waiting: dict[str, tuple[asyncio.Future, float]] = {}
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Transfer] = {}
+        """Request id -> the sender's transfer holding its blocks (its deadline is the lease's)."""
         self.leases_expired = 0
         self.transfers_failed = 0
 
@@ -66,7 +61,7 @@ class PrefillLoop(EngineLoop):
             found = self.engine.abort_request(request_id)
             lease = self._leases.pop(request_id, None)
             if lease is not None:
-                lease.transfer.abort("aborted by the router")
+                lease.abort("aborted by the router")
                 self.engine.release_kv(request_id)
                 found = True
             return found
@@ -82,7 +77,7 @@ class PrefillLoop(EngineLoop):
         if delta.kv_block_ids is not None:
             transfer_id = delta.request_id
             transfer = self.sender.expect(transfer_id, delta.kv_block_ids, timeout_s=lease_s)
-            self._leases[delta.request_id] = _Lease(transfer, time.monotonic() + lease_s)
+            self._leases[delta.request_id] = transfer
             result = PrefillResult(delta, self._peer_info_json, transfer_id, delta.kv_block_ids)
         self._resolve(future, result=result)
 
@@ -91,14 +86,14 @@ class PrefillLoop(EngineLoop):
 
     def poll(self) -> None:
         for request_id, lease in list(self._leases.items()):
-            state = lease.transfer.poll()
+            state = lease.poll()
             if not state.is_terminal:
                 continue
             del self._leases[request_id]
             self.engine.release_kv(request_id)
             if state == TransferState.FAILED:
                 self.transfers_failed += 1
-                if time.monotonic() >= lease.expires_at:
+                if time.monotonic() >= lease.deadline:
                     self.leases_expired += 1
 
     def num_requests(self) -> int:
