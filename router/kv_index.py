@@ -21,7 +21,9 @@ from engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
 @dataclass
 class _WorkerBlocks:
     bit: int
-    hashes: set[int] = field(default_factory=set)
+    hashes: dict[int, None] = field(default_factory=dict)
+    """A dict, not a set: holding only ints, CPython's garbage collector never scans it
+    (a million-block index would otherwise stretch every full collection)."""
     seq: int = -1
     """Last batch applied; -1 until the first snapshot."""
     epoch: int = 0
@@ -73,7 +75,7 @@ class KvIndex:
         holders = self._holders
         for h in hashes:
             holders[h] = holders.get(h, 0) | bit
-        entry.hashes = set(hashes)
+        entry.hashes = dict.fromkeys(hashes)
         entry.seq = seq
         entry.epoch = epoch
         self.num_resyncs += 1
@@ -93,11 +95,11 @@ class KvIndex:
         for event in events:
             if isinstance(event, BlockStored):
                 if event.block_hash not in entry.hashes:
-                    entry.hashes.add(event.block_hash)
+                    entry.hashes[event.block_hash] = None
                     holders[event.block_hash] = holders.get(event.block_hash, 0) | bit
             elif isinstance(event, BlockRemoved):
                 if event.block_hash in entry.hashes:
-                    entry.hashes.discard(event.block_hash)
+                    del entry.hashes[event.block_hash]
                     self._unset(event.block_hash, bit)
             elif isinstance(event, AllCleared):
                 self._drop_all(entry)
@@ -137,7 +139,7 @@ class KvIndex:
         bit = 1 << entry.bit
         for h in entry.hashes:
             self._unset(h, bit)
-        entry.hashes = set()
+        entry.hashes = {}
 
     def _unset(self, block_hash: int, bit: int) -> None:
         mask = self._holders.get(block_hash, 0) & ~bit

@@ -153,6 +153,7 @@ class GenerationPipeline:
             uncached = max(0, len(prompt) - cached_blocks * self.selector.block_size)
             worker.in_flight += 1
             worker.pending_tokens += uncached
+            worker.pending_prompts[sample_id] = hashes
             try:
                 return await worker.stub.Prefill(request, timeout=_remaining(deadline))
             except grpc.aio.AioRpcError as exc:
@@ -164,6 +165,7 @@ class GenerationPipeline:
             finally:
                 worker.in_flight -= 1
                 worker.pending_tokens -= uncached
+                worker.pending_prompts.pop(sample_id, None)
 
     async def _decode(self, decode_req, worker: WorkerClient, deadline, touched):
         touched.append(worker)

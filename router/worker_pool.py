@@ -37,6 +37,8 @@ class WorkerClient:
     """`in_flight` when the last stats arrived (the rest of stats.num_requests is others' work)."""
     pending_tokens: int = 0
     """Prefill: uncached prompt tokens of this router's Prefill calls in progress."""
+    pending_prompts: dict[str, list[int]] = field(default_factory=dict)
+    """Prefill: block hashes of this router's Prefill calls in progress, by sample id."""
     stats: worker_pb2.WorkerStats | None = None
     last_error: str = ""
     slow_polls: int = 0

@@ -6,7 +6,14 @@ with room and reserves it, counting the sample on that worker until
 when the decode worker already holds all but `skip_prefill_tokens` of the
 prompt (its own prefix cache, as its KV events say), it prefills the rest
 itself. `pick_prefill` then chooses the prefill worker by the routing policy's
-cost (uncached prompt blocks per the KV index, plus load).
+cost (uncached prompt blocks, plus load).
+
+A prefill worker's cached blocks are what the KV index says it holds, or —
+when more — the prefix the prompt shares with a prompt this router is having
+it prefill right now: those blocks will be cached by the time this prompt's
+turn comes (its queue is FIFO), but no event can say so yet. Without this a
+burst of requests sharing a new system prompt would be sprayed over every
+worker before the first event arrives.
 """
 from __future__ import annotations
 
@@ -77,7 +84,8 @@ class WorkerSelector:
         if not workers:
             return None
         roomy = [w for w in workers if w.has_room] or workers  # the worker itself refuses if really full
-        chosen = self.policy.pick_prefill(self._candidates(roomy, block_hashes), len(block_hashes))
+        chosen = self.policy.pick_prefill(self._candidates(roomy, block_hashes, in_progress=True),
+                                          len(block_hashes))
         worker = self.pool.get(chosen.address)
         if self.metrics is not None:
             self.metrics.observe_prefill(worker, len(block_hashes), chosen.cached_blocks)
@@ -97,7 +105,8 @@ class WorkerSelector:
         remote = self.pool.has_role("prefill") and uncached >= self.skip_prefill_tokens
         return Route(worker, remote, block_hashes, chosen.cached_blocks)
 
-    def _candidates(self, workers: list[WorkerClient], block_hashes: list[int]) -> list[Candidate]:
+    def _candidates(self, workers: list[WorkerClient], block_hashes: list[int],
+                    in_progress: bool = False) -> list[Candidate]:
         cached = (self.index.overlap(block_hashes, [w.address for w in workers])
                   if self.policy.uses_prefix or self.skip_prefill_tokens else {})
         out = []
@@ -105,8 +114,19 @@ class WorkerSelector:
         for w in workers:
             s = w.stats
             queued = max(w.pending_tokens, s.num_waiting_tokens if s else 0)
+            held = cached.get(w.address, 0)
+            if in_progress and self.policy.uses_prefix:
+                held = max([held, *(_common_prefix(block_hashes, p) for p in w.pending_prompts.values())])
             out.append(Candidate(w.address, queued_blocks=queued / block_size,
                                  running=w.occupancy, kv_blocks_used=s.kv_blocks_used if s else 0,
-                                 kv_blocks_total=s.kv_blocks_total if s else 0,
-                                 cached_blocks=cached.get(w.address, 0)))
+                                 kv_blocks_total=s.kv_blocks_total if s else 0, cached_blocks=held))
         return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
