@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--model", default="default", help="checkpoint directory (tokenizer), or 'default'")
     router.add_argument("--max-model-len", type=int, default=None)
 
+    from loadtest.cli import add_arguments as add_loadtest_args
+    add_loadtest_args(sub.add_parser("loadtest", help="measure TTFT/ITL/TPOT/E2E latency and goodput of a running "
+                                                      "cluster at a request rate"))
+
     for role in ("prefill", "decode"):
         worker = sub.add_parser(f"{role}-worker", help=f"run one {role} worker (its own gRPC server)")
         add_worker_args(worker, standalone=True)
@@ -142,6 +146,9 @@ def _prepare(args: argparse.Namespace):
         config = engine_config_from_args(args)
         from pdserve.offline import run_offline
         return lambda: run_offline(args, config)
+    if args.command == "loadtest":
+        from loadtest.cli import prepare
+        return prepare(args)
     if args.command in ("prefill-worker", "decode-worker"):
         from worker_runtime.server import run_worker
         config = worker_config_from_args(args, args.command.split("-")[0])
