@@ -45,6 +45,8 @@ def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:
                    help="requests a worker holds at once; more get RESOURCE_EXHAUSTED")
     p.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    if standalone:
+        p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str, standalone: bool = True):
@@ -59,7 +61,8 @@ def worker_config_from_args(args: argparse.Namespace, role: str, standalone: boo
                         port=args.port if standalone else 0, advertise_host=advertise,
                         kv_transfer=kv, lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                         max_num_requests=args.max_num_requests, num_threads=args.num_threads,
-                        drain_timeout_s=args.drain_timeout_s)
+                        drain_timeout_s=args.drain_timeout_s,
+                        metrics_port=args.metrics_port if standalone else None)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
