@@ -48,7 +48,7 @@ class RouterServer:
         self.address = f"{config.host}:{port}"
         await self._server.start()
         if config.metrics_port is not None:
-            self._metrics_server, _ = self.metrics.serve(config.host, config.metrics_port)
+            self._metrics_server = self.metrics.serve(config.host, config.metrics_port)
         await set_serving(self._health, [SERVICE], True)
         return self.address
 
@@ -66,7 +66,7 @@ class RouterServer:
         await self.pipeline.wait_background()
         await self.pool.close()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            self._metrics_server.close()
 
 
 def run_router(config: RouterConfig) -> int:

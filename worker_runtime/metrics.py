@@ -7,8 +7,10 @@ pushed). Every series carries the labels `role` (prefill/decode) and `worker`
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.metrics_http import MetricsServer
 
 TRANSFER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 
@@ -66,14 +68,13 @@ class WorkerMetrics:
             "pdserve:kv_transfer_time_seconds", "Decode: one KV pull, from its start to DONE",
             ["role", "worker"], registry=self.registry, buckets=TRANSFER_BUCKETS).labels(role, address)
         loop.observe_transfer_s = self.transfer_time.observe
-        self._http = None
+        self._http: MetricsServer | None = None
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics in a thread; returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
+        self._http = MetricsServer(self.registry, host, port)
+        return self._http.port
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
