@@ -68,3 +68,24 @@ class FakeServerThread:
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m loadtest.fake_server --ttft-ms 20 --itl-ms 5`: serve until killed."""
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--ttft-ms", type=float, default=20.0)
+    p.add_argument("--itl-ms", type=float, default=5.0)
+    args = p.parse_args(argv)
+
+    async def serve() -> None:
+        server, _, address = await start_fake_server(args.ttft_ms / 1000, args.itl_ms / 1000)
+        print(f"ready: fake generation at {address}", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

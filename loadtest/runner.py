@@ -54,13 +54,14 @@ async def _measure(config: LoadTestConfig, stub, prompts: list[Prompt]) -> tuple
     run_id = f"lt{time.time_ns():x}"
     start = time.perf_counter()
 
-    async def one(i: int, prompt: Prompt) -> RequestRecord:
+    async def one(i: int, prompt: Prompt, scheduled: float) -> RequestRecord:
         request = make_request(f"{run_id}-{i}", prompt)
         if slots is None:
             record = await send(stub, i, request, prompt.prompt_len, config.request_timeout_s)
         else:
             async with slots:
                 record = await send(stub, i, request, prompt.prompt_len, config.request_timeout_s)
+        record.scheduled_time = scheduled
         bar.update(1)
         return record
 
@@ -71,7 +72,7 @@ async def _measure(config: LoadTestConfig, stub, prompts: list[Prompt]) -> tuple
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, prompt)))
+        tasks.append(asyncio.create_task(one(i, prompt, start + offset)))
     records = list(await asyncio.gather(*tasks))
     duration = time.perf_counter() - start
     bar.close()

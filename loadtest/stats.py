@@ -24,6 +24,8 @@ class RequestRecord:
 
     index: int
     prompt_len: int
+    scheduled_time: float = 0.0
+    """When the arrival process meant to send it (before waiting for a concurrency slot)."""
     send_time: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     end_time: float = 0.0
@@ -59,7 +61,7 @@ class RequestRecord:
         return {"index": self.index, "status": self.status, "error": self.error, "prompt_len": self.prompt_len,
                 "output_len": self.output_tokens, "ttft_ms": _ms(self.ttft), "tpot_ms": _ms(self.tpot),
                 "e2el_ms": _ms(self.e2el) if self.ok else None, "itls_ms": [_ms(x) for x in self.itls],
-                "start_time": self.send_time}
+                "start_time": self.send_time, "send_lag_ms": _ms(self.send_time - self.scheduled_time)}
 
 
 def _ms(seconds: float | None) -> float | None:
