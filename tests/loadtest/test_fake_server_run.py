@@ -29,13 +29,14 @@ def test_measured_timings_match_the_injected_delays(fake):
     assert s["completed"] == 60 and s["failed"] == 0
     assert fake.servicer.num_requests == 62  # warm-ups are sent but not counted
     assert s["total_output_tokens"] == 60 * 8 and s["total_input_tokens"] == 60 * 16
-    # Generous bands (a noisy shared 2-core VM): a broken clock or ITL definition lands far outside.
-    assert 50 <= s["median_ttft_ms"] < 100
-    assert 10 <= s["median_itl_ms"] < 25
-    assert 10 <= s["median_tpot_ms"] < 25
-    assert 120 <= s["median_e2el_ms"] < 200  # 50 + 7 * 10
+    # Generous bands (a noisy shared 2-core VM).
+    # Never below the injected delay; the upper bounds catch unit or reference-point mistakes.
+    assert 50 <= s["median_ttft_ms"] < 150
+    assert 10 <= s["median_itl_ms"] < 40
+    assert 10 <= s["median_tpot_ms"] < 40
+    assert 120 <= s["median_e2el_ms"] < 400  # 50 + 7 * 10
     assert all(len(r.itls) == 7 for r in result.records)
-    assert 1.0 < s["duration"] < 4.0  # 60 arrivals at 40/s take ~1.5 s
+    assert 1.0 < s["duration"] < 6.0  # 60 arrivals at 40/s take ~1.5 s
 
 
 def test_max_concurrency_and_time_bound_are_respected(fake):
