@@ -69,8 +69,8 @@ async def ask_all(address: str) -> None:
 def load_test(address: str) -> int:
     """A short `pdserve loadtest` (the real command) with CPU-sized SLOs; prints its SLO table."""
     from pdserve.cli import main as pdserve_main
-    argv = ["loadtest", "--url", address, "--dataset", "random", "--num-prompts", "20", "--request-rate", "2",
-            "--random-input-len", "128", "--random-output-len", "16", "--goodput", "ttft:2000", "tpot:300"]
+    argv = ["loadtest", "--url", address, "--dataset", "random", "--num-prompts", "20", "--request-rate", "1",
+            "--random-input-len", "64", "--random-output-len", "16", "--goodput", "ttft:2000", "tpot:300"]
     print(f"\n$ pdserve {' '.join(argv)}", flush=True)
     return pdserve_main(argv)
 
