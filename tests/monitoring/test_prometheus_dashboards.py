@@ -1,6 +1,6 @@
 """A real Prometheus scrapes a local cluster (router + prefill + decode, each with --metrics-port) during
 a short load test: every PromQL expression of the shipped dashboards and alert rules parses and returns
-data, the rule files load, and the router's TTFT p50 from its histogram agrees with the load tester's
+data (every metric they name is exported), the rule files load, and the router's TTFT p50 from its histogram agrees with the load tester's
 client-side p50.
 
 Tolerance of the TTFT agreement: histogram_quantile interpolates linearly inside one bucket, so its
@@ -22,15 +22,6 @@ from tests.cluster.harness import free_port, generation_stub, start_router, star
 from tests.monitoring.prometheus import Prometheus, dashboard_expressions, metric_names, rule_expressions
 from pdserve.protocol import generate_pb2
 
-NOT_YET_EXPORTED = {
-    # Routing and admission metrics of the router (issue 5, merged separately): until then no target
-    # exports them. Once a target does, the expressions using them must return data like the others.
-    "pdserve:router_prefix_query_blocks_total", "pdserve:router_prefix_hit_blocks_total",
-    "pdserve:routing_decisions_total", "pdserve:kv_index_resyncs_total", "pdserve:router_queue_length",
-    "pdserve:request_queue_time_seconds_bucket",
-    # A labelled counter has no series until its first event; a healthy run rejects nothing.
-    "pdserve:request_rejected_total",
-}
 TTFT_EXTRA_MS = 25.0
 
 
@@ -60,8 +51,9 @@ def prometheus(cluster, tmp_path_factory):
 
 def test_dashboards_and_alerts_query_a_live_cluster(cluster, prometheus):
     address, _ = cluster
-    # 1. A short load test with shared prefixes (so prefix caches hit and KV moves).
-    dataset = DatasetConfig(name="prefix", prefix_num_prefixes=2, prefix_len=64, suffix_len=16,
+    # 1. A short load test with shared prefixes (so prefix caches hit and KV moves; the 48-token
+    #    suffixes exceed the router's skip-prefill threshold, so every request goes through prefill).
+    dataset = DatasetConfig(name="prefix", prefix_num_prefixes=2, prefix_len=64, suffix_len=48,
                             prefix_output_len=12)
     result = run(LoadTestConfig(url=address, dataset=dataset, num_prompts=24, request_rate=4.0, seed=1,
                                 progress=False, request_timeout_s=120))
@@ -88,23 +80,17 @@ def test_dashboards_and_alerts_query_a_live_cluster(cluster, prometheus):
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     time.sleep(3)
 
-    # 4. Every expression parses and returns data, unless a metric it needs is not exported yet.
+    # 4. Every expression parses, every metric it names is exported, and it returns data.
     exported = set(prometheus.api("label/__name__/values")["data"])
-    empty, problems = [], []
+    problems = []
     for where, expr in dashboard_expressions() + rule_expressions():
         body = prometheus.query(expr)
         if body.get("status") != "success":
             problems.append(f"{where}: {body.get('errorType')}: {body.get('error')}\n    {expr}")
-            continue
-        missing = metric_names(expr) - exported
-        if missing - NOT_YET_EXPORTED:
-            problems.append(f"{where}: no target exports {sorted(missing - NOT_YET_EXPORTED)}")
+        elif metric_names(expr) - exported:
+            problems.append(f"{where}: no target exports {sorted(metric_names(expr) - exported)}")
         elif not body["data"]["result"]:
-            if missing:
-                empty.append(f"{where} (not exported yet: {sorted(missing)})")
-            else:
-                problems.append(f"{where}: no data\n    {expr}")
-    print("expressions without data (metrics not exported in this build):\n  " + "\n  ".join(empty or ["none"]))
+            problems.append(f"{where}: no data\n    {expr}")
     assert not problems, "\n".join(problems)
     assert len(dashboard_expressions()) >= 30 and len(rule_expressions()) >= 10
 
@@ -122,7 +108,7 @@ def test_worker_metrics_count_the_load(cluster, prometheus):
         assert result, expr
         return float(result[0]["value"][1])
 
-    assert value('sum(pdserve:prompt_tokens_total{role="prefill"})') >= 24 * 80
+    assert value('sum(pdserve:prompt_tokens_total{role="prefill"})') >= 24 * 112
     assert value('sum(pdserve:generation_tokens_total{role="decode"})') >= 24 * 11
     assert value('sum(pdserve:prefix_cache_hits_total{role="prefill"})') >= 20 * 64  # 2 prefixes, 24 prompts
     assert value('sum(pdserve:kv_transfer_bytes_total{role="decode"})') > 0
