@@ -48,7 +48,7 @@ def test_max_concurrency_and_time_bound_are_respected(fake):
     assert 3 <= s["completed"] <= 20  # ~10 arrivals in 0.5 s, not 1000
 
 
-def test_cli_writes_json_jsonl_plots_and_counts_failures_by_status(tmp_path):
+def test_cli_writes_json_jsonl_plots_and_counts_failures_by_status(tmp_path, capsys):
     server = FakeServerThread(0.02, 0.005, fail_every=4)
     try:
         out, detail = tmp_path / "result.json", tmp_path / "requests.jsonl"
@@ -60,6 +60,9 @@ def test_cli_writes_json_jsonl_plots_and_counts_failures_by_status(tmp_path):
     finally:
         server.stop()
     assert code == 0
+    table = capsys.readouterr().out
+    assert "Successful requests:" in table and "failed: RESOURCE_EXHAUSTED" in table
+    assert "SLO attainment (%):" in table and "P99 ITL (ms):" in table
     data = json.loads(out.read_text())
     assert data["completed"] == 15 and data["failed"] == 5
     assert data["failures_by_status"] == {"RESOURCE_EXHAUSTED": 5}
