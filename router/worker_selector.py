@@ -39,6 +39,10 @@ class Route:
     """Set once a prefill worker is chosen (the last one tried)."""
 
 
+class NoHealthyWorker(Exception):
+    """No worker of a needed role is in rotation (as opposed to all being busy)."""
+
+
 class WorkerSelector:
     def __init__(self, pool: WorkerPool, index: KvIndex, policy: RoutingPolicy, admission: AdmissionQueue,
                  skip_prefill_tokens: int = 0, metrics=None) -> None:
@@ -61,7 +65,10 @@ class WorkerSelector:
         return hash_full_blocks(prompt, self.block_size)
 
     async def route(self, prompt: list[int], block_hashes: list[int]) -> Route:
-        """Admit the sample and reserve its decode worker; raises AdmissionRejected."""
+        """Admit the sample and reserve its decode worker; raises AdmissionRejected, or
+        NoHealthyWorker at once when there is no decode worker to wait for."""
+        if not self.pool.healthy("decode"):
+            raise NoHealthyWorker("no healthy decode worker")
         try:
             route, waited = await self.admission.admit(lambda: self._reserve(prompt, block_hashes), self.release)
         except AdmissionRejected as exc:
@@ -96,8 +103,9 @@ class WorkerSelector:
         decode = [w for w in self.pool.healthy("decode") if w.has_room]
         if not decode:
             return None
-        if self.pool.has_role("prefill") and not any(w.has_room for w in self.pool.healthy("prefill")):
-            return None
+        prefill = self.pool.healthy("prefill")
+        if prefill and not any(w.has_room for w in prefill):
+            return None  # (none healthy at all: the prefill pick reports UNAVAILABLE)
         chosen = self.policy.pick_decode(self._candidates(decode, block_hashes))
         worker = self.pool.get(chosen.address)
         worker.in_flight += 1
