@@ -58,10 +58,10 @@ default
 
 {{/* Env entries giving $(PDSERVE_REDIS_URL), with the password from its Secret (never in values). */}}
 {{- define "pdserve.redisEnv" -}}
-{{- if eq .Values.redis.mode "bundled" }}
+{{- if eq .Values.redis.mode "bundled" -}}
 - name: PDSERVE_REDIS_URL
   value: redis://{{ include "pdserve.redisHost" . }}:6379/0
-{{- else if .Values.redis.external.passwordSecret.name }}
+{{- else if .Values.redis.external.passwordSecret.name -}}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
@@ -69,7 +69,7 @@ default
       key: {{ .Values.redis.external.passwordSecret.key }}
 - name: PDSERVE_REDIS_URL
   value: {{ regexReplaceAll "^(rediss?://)" .Values.redis.external.url "${1}:$(REDIS_PASSWORD)@" | quote }}
-{{- else }}
+{{- else -}}
 - name: PDSERVE_REDIS_URL
   value: {{ .Values.redis.external.url | quote }}
 {{- end }}
@@ -124,19 +124,19 @@ readinessProbe:
 
 {{/* Model volume and mount (nothing for the bundled model). */}}
 {{- define "pdserve.modelVolumes" -}}
-{{- if eq .Values.model.source "pvc" }}
+{{- if eq .Values.model.source "pvc" -}}
 - name: model
   persistentVolumeClaim:
     claimName: {{ .Values.model.pvc.claimName }}
     readOnly: true
-{{- else if eq .Values.model.source "initContainer" }}
+{{- else if eq .Values.model.source "initContainer" -}}
 - name: model
   emptyDir: {}
 {{- end }}
 {{- end -}}
 
 {{- define "pdserve.modelMounts" -}}
-{{- if ne .Values.model.source "bundled" }}
+{{- if ne .Values.model.source "bundled" -}}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
   readOnly: {{ eq .Values.model.source "pvc" }}
@@ -144,7 +144,7 @@ readinessProbe:
 {{- end -}}
 
 {{- define "pdserve.initContainers" -}}
-{{- if eq .Values.model.source "initContainer" }}
+{{- if eq .Values.model.source "initContainer" -}}
 initContainers:
   - name: fetch-model
     image: {{ .Values.model.initContainer.image }}
@@ -196,7 +196,7 @@ securityContext: {{- toYaml . | nindent 2 }}
 {{- if .Values.kvTransfer.ipcLock -}}
 {{- $_ := set $sc "capabilities" (dict "add" (list "IPC_LOCK")) -}}
 {{- end -}}
-{{- with $sc }}
+{{- with $sc -}}
 securityContext: {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
