@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
-from tests.helm.chart import CASES, CHART, KUBE_VERSION, by_kind, helm, objects, pod_specs, values_args
+from tests.helm.chart import CASES, CHART, KUBE_VERSION, by_kind, helm, objects, pod_specs, template, values_args
 from tests.helm.custom_resources import SCHEMAS
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -131,3 +133,75 @@ def test_model_from_a_pvc_or_an_init_container(rendered):
         assert env["MODEL_DIR"]["value"] == "/models/model"
         assert "--model" in spec["containers"][0]["args"]
         assert spec["containers"][0]["args"][spec["containers"][0]["args"].index("--model") + 1] == "/models/model"
+
+
+DASHBOARD = '{"title": "pdserve sample", "panels": [{"expr": "sum(rate(pdserve:generation_tokens_total[1m]))"}]}\n'
+RULES = """groups:
+  - name: pdserve-sample
+    rules:
+      - alert: PdserveSampleDown
+        expr: up{job="pdserve"} == 0
+        for: 5m
+        labels: {severity: critical}
+"""
+
+
+def chart_copy(tmp_path: Path, with_files: bool) -> Path:
+    """The chart with files/ replaced: empty, or one sample dashboard and rule file."""
+    chart = tmp_path / "pdserve"
+    shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("files"))
+    if with_files:
+        (chart / "files" / "grafana").mkdir(parents=True)
+        (chart / "files" / "prometheus").mkdir()
+        (chart / "files" / "grafana" / "sample.json").write_text(DASHBOARD)
+        (chart / "files" / "prometheus" / "sample.yaml").write_text(RULES)
+    return chart
+
+
+@pytest.mark.parametrize("with_files", [False, True], ids=["no-files", "sample-files"])
+def test_monitoring_objects_follow_the_files(tmp_path, with_files):
+    chart = chart_copy(tmp_path, with_files)
+    objs = objects(template(*values_args("monitoring", chart), chart=chart))
+    assert len(by_kind(objs, "ServiceMonitor")) == len(by_kind(objs, "PodMonitor")) == 1
+    for obj in by_kind(objs, "ServiceMonitor") + by_kind(objs, "PodMonitor"):
+        assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    dashboards = [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    rules = by_kind(objs, "PrometheusRule")
+    if not with_files:
+        assert not dashboards and not rules
+        return
+    [configmap] = dashboards
+    assert configmap["data"] == {"sample.json": DASHBOARD}
+    kubernetes_validate.validate(configmap, KUBE_VERSION, strict=True)
+    [rule] = rules
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES)["groups"]
+    jsonschema.validate(rule, SCHEMAS[("monitoring.coreos.com/v1", "PrometheusRule")])
+    monitoring_off = objects(template(*values_args("monitoring", chart), "--set", "monitoring.enabled=false",
+                                      chart=chart))
+    assert not {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} & {o["kind"] for o in monitoring_off}
+
+
+BAD_VALUES = [
+    ("prefill.replicas=-1", "at '/prefill/replicas': minimum: got -1, want 0"),
+    ("routing.policy=fastest", "at '/routing/policy': value must be one of 'prefix', 'least_loaded'"),
+    ("image.repository=", "at '/image/repository': minLength: got 0, want 1"),
+    ("redis.mode=sentinel", "at '/redis/mode': value must be one of 'bundled', 'external'"),
+    ("redis.mode=external", "at '/redis/external/url'"),
+    ("model.source=pvc", "at '/model/pvc/claimName': minLength: got 0, want 1"),
+    ("mode=kubernetes", "at '/mode': value must be one of 'deployments', 'raycluster'"),
+    ("decode.port=70000", "at '/decode/port': maximum: got 70,000, want 65,535"),
+    ("router.replicass=2", "additional properties 'replicass' not allowed"),
+]
+
+
+@pytest.mark.parametrize("setting,message", BAD_VALUES, ids=[s for s, _ in BAD_VALUES])
+def test_schema_rejects_bad_values_with_a_clear_message(setting, message):
+    with pytest.raises(ValueError) as refused:
+        template("--set", setting)
+    assert "values don't meet the specifications of the schema" in str(refused.value)
+    assert message in str(refused.value)
+
+
+def test_external_redis_url_with_a_password_is_refused():
+    with pytest.raises(ValueError, match="at '/redis/external/url'"):
+        template("--set", "redis.mode=external", "--set", "redis.external.url=redis://:hunter2@redis:6379/0")
