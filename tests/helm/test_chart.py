@@ -1,6 +1,7 @@
 """The chart lints, renders valid Kubernetes objects for every values case, and matches its goldens."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -10,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pdserve.cluster import actor_options
 from tests.helm.chart import CASES, CHART, KUBE_VERSION, by_kind, helm, objects, pod_specs, template, values_args
 from tests.helm.custom_resources import SCHEMAS
 
@@ -66,8 +68,11 @@ def test_raycluster_has_head_and_gpu_worker_groups(rendered):
     groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
     assert sorted(groups) == ["decode", "prefill"]
     assert (groups["prefill"]["replicas"], groups["decode"]["replicas"]) == (2, 4)
-    for group in groups.values():
+    for name, group in groups.items():
         assert group["rayStartParams"]["num-gpus"] == "1"
+        declared = json.loads(json.loads(group["rayStartParams"]["resources"]))  # KubeRay's quoted JSON
+        assert actor_options(name, True, declared) == {"num_cpus": 1, "num_gpus": 1,
+                                                        "resources": {f"pdserve_{name}": 1}}
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == 1
     head = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
