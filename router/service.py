@@ -41,7 +41,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                              f"request_id: {prepared.request_id!r} is already running")
         # The pipeline runs in a task of our own so that Abort (from another call) can cancel it.
         items: asyncio.Queue = asyncio.Queue()
-        producer = asyncio.create_task(self._produce(prepared, context.time_remaining(), items))
+        routes: list = []
+        producer = asyncio.create_task(self._produce(prepared, context.time_remaining(), items, routes))
         self._running[prepared.request_id] = producer
         first_token_seen = False
         try:
@@ -49,7 +50,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 if item is _ABORTED:
                     await self._fail(context, grpc.StatusCode.CANCELLED, "aborted by an Abort call")
                 if isinstance(item, PipelineError):
-                    await self._fail(context, item.code, str(item))
+                    await self._fail(context, item.code, str(item), item.retry_after_s)
                 if isinstance(item, BaseException):
                     raise item
                 if item.HasField("chunk"):
@@ -62,6 +63,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.prompt_tokens.inc(item.complete.usage.prompt_tokens)
                 yield item
             self.metrics.e2e.observe(time.perf_counter() - arrival)
+            context.set_trailing_metadata(route_metadata(routes))
         except asyncio.CancelledError:  # the client cancelled or its deadline passed
             self.metrics.failures.labels(grpc.StatusCode.CANCELLED.name).inc()
             raise
@@ -69,9 +71,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             producer.cancel()  # its pipeline aborts the request on every worker it touched
             self._running.pop(prepared.request_id, None)
 
-    async def _produce(self, prepared, timeout_s, items: asyncio.Queue) -> None:
+    async def _produce(self, prepared, timeout_s, items: asyncio.Queue, routes: list) -> None:
         try:
-            async for msg in self.pipeline.generate(prepared, timeout_s):
+            async for msg in self.pipeline.generate(prepared, timeout_s, routes):
                 items.put_nowait(msg)
             items.put_nowait(_END)
         except asyncio.CancelledError:
@@ -86,6 +88,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             task.cancel()
         return generate_pb2.AbortResponse(found=task is not None)
 
-    async def _fail(self, context, code: grpc.StatusCode, message: str) -> None:
+    async def _fail(self, context, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         self.metrics.failures.labels(code.name).inc()
+        if retry_after_s is not None:
+            context.set_trailing_metadata(retry_metadata(code, message, retry_after_s))
         await context.abort(code, message)
+
+
+def route_metadata(routes) -> tuple:
+    """Trailing metadata naming the workers of each sample, in index order ("-": none)."""
+    ordered = sorted(routes, key=lambda item: item[0])
+    return tuple([("pdserve-prefill-worker", route.prefill.address if route.prefill else "-")
+                  for _, route in ordered]
+                 + [("pdserve-decode-worker", route.decode.address) for _, route in ordered])
+
+
+def retry_metadata(code: grpc.StatusCode, message: str, retry_after_s: float) -> tuple:
+    """google.rpc.RetryInfo in the status details (what gRPC clients read), plus a plain hint."""
+    from google.protobuf import any_pb2, duration_pb2
+    from google.rpc import error_details_pb2, status_pb2
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
+        seconds=int(retry_after_s), nanos=int(retry_after_s % 1 * 1e9))))
+    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    return (("grpc-status-details-bin", status.SerializeToString()), ("retry-after-s", f"{retry_after_s:g}"))

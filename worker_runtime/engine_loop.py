@@ -39,6 +39,8 @@ class EngineLoop(threading.Thread):
         self.requests_total = 0
         self.stats: dict[str, int] = {}
         """Snapshot refreshed after every iteration; safe to read from any thread."""
+        self.kv_events = None
+        """A KvEventLog, flushed after every iteration, when routers index this worker."""
 
     # ---- called from the asyncio side -----------------------------------
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
@@ -70,6 +72,8 @@ class EngineLoop(threading.Thread):
                     for delta in self.engine.step():
                         self.on_delta(delta)
                 self._snapshot()
+                if self.kv_events is not None:
+                    self.kv_events.flush()
             except Exception:  # keep serving: one bad step must not kill the worker silently
                 logger.exception("engine loop iteration failed")
                 self._fail_all(RuntimeError("engine step failed; see the worker log"))
