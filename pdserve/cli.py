@@ -46,6 +46,7 @@ def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:
     p.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     if standalone:
+        p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
         add_registry_args(p)
 
 
@@ -69,7 +70,7 @@ def worker_config_from_args(args: argparse.Namespace, role: str, standalone: boo
                         kv_transfer=kv, lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                         max_num_requests=args.max_num_requests, num_threads=args.num_threads,
                         drain_timeout_s=args.drain_timeout_s, redis_url=args.redis_url,
-                        registry_ttl_s=args.registry_ttl_s)
+                        registry_ttl_s=args.registry_ttl_s, metrics_port=args.metrics_port if standalone else None)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--model", default="default", help="checkpoint directory (tokenizer), or 'default'")
     router.add_argument("--max-model-len", type=int, default=None)
 
+    from loadtest.cli import add_arguments as add_loadtest_args
+    add_loadtest_args(sub.add_parser("loadtest", help="measure TTFT/ITL/TPOT/E2E latency and goodput of a running "
+                                                      "cluster at a request rate"))
+
     for role in ("prefill", "decode"):
         worker = sub.add_parser(f"{role}-worker", help=f"run one {role} worker (its own gRPC server)")
         add_worker_args(worker, standalone=True)
@@ -170,6 +175,9 @@ def _prepare(args: argparse.Namespace):
         config = engine_config_from_args(args)
         from pdserve.offline import run_offline
         return lambda: run_offline(args, config)
+    if args.command == "loadtest":
+        from loadtest.cli import prepare
+        return prepare(args)
     if args.command in ("prefill-worker", "decode-worker"):
         from worker_runtime.server import run_worker
         config = worker_config_from_args(args, args.command.split("-")[0])

@@ -126,7 +126,12 @@ class RayCluster:
             for _ in range(count):
                 engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device)
                 port = template.port or free_port(template.host)
-                worker = dataclasses.replace(template, role=role, port=port, num_threads=threads, engine=engine)
+                # With router metrics on, every worker serves its own (a port fixed here, kept across restarts).
+                metrics_port = free_port(template.host) if cfg.router.metrics_port is not None else None
+                worker = dataclasses.replace(template, role=role, port=port, num_threads=threads, engine=engine,
+                                             metrics_port=metrics_port)
+                if metrics_port is not None:
+                    print(f"{role} worker metrics at http://{template.host}:{metrics_port}/metrics", flush=True)
                 actor = actor_cls.options(**actor_options(role, use_gpu, resources),
                                           max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
                                           name=None).remote(worker, cfg.log_level)

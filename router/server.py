@@ -72,7 +72,7 @@ class RouterServer:
         self.address = f"{config.host}:{port}"
         await self._server.start()
         if config.metrics_port is not None:
-            self._metrics_server, _ = self.metrics.serve(config.host, config.metrics_port)
+            self._metrics_server = self.metrics.serve(config.host, config.metrics_port)
         await set_serving(self._health, [SERVICE], True)
         return self.address
 
@@ -96,7 +96,7 @@ class RouterServer:
         if self._redis is not None:
             await self._redis.aclose()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            self._metrics_server.close()
 
 
 def run_router(config: RouterConfig) -> int:

@@ -44,27 +44,38 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         routes: list = []
         producer = asyncio.create_task(self._produce(prepared, context.time_remaining(), items, routes))
         self._running[prepared.request_id] = producer
-        first_token_seen = False
+        first_token_at = last_chunk_at = None
+        num_tokens = 0
         try:
             while (item := await items.get()) is not _END:
                 if item is _ABORTED:
+                    self.metrics.cancelled.inc()
                     await self._fail(context, grpc.StatusCode.CANCELLED, "aborted by an Abort call")
                 if isinstance(item, PipelineError):
                     await self._fail(context, item.code, str(item), item.retry_after_s)
                 if isinstance(item, BaseException):
                     raise item
-                if item.HasField("chunk"):
-                    if not first_token_seen and item.chunk.token_ids:
-                        first_token_seen = True
-                        self.metrics.ttft.observe(time.perf_counter() - arrival)
-                    self.metrics.generation_tokens.inc(len(item.chunk.token_ids))
-                else:
+                if item.HasField("complete"):
                     self.metrics.success.labels(finish_reason_name(item.complete.finish_reason)).inc()
                     self.metrics.prompt_tokens.inc(item.complete.usage.prompt_tokens)
+                elif item.chunk.token_ids:
+                    now = time.perf_counter()
+                    if first_token_at is None:
+                        first_token_at = now
+                        self.metrics.ttft.observe(now - arrival)
+                    else:
+                        self.metrics.itl.observe(now - last_chunk_at)
+                    last_chunk_at = now
+                    num_tokens += len(item.chunk.token_ids)
+                    self.metrics.generation_tokens.inc(len(item.chunk.token_ids))
                 yield item
-            self.metrics.e2e.observe(time.perf_counter() - arrival)
+            end = time.perf_counter()
+            self.metrics.e2e.observe(end - arrival)
+            if num_tokens > 1:
+                self.metrics.tpot.observe((end - first_token_at) / (num_tokens - 1))
             context.set_trailing_metadata(route_metadata(routes))
         except asyncio.CancelledError:  # the client cancelled or its deadline passed
+            self.metrics.cancelled.inc()
             self.metrics.failures.labels(grpc.StatusCode.CANCELLED.name).inc()
             raise
         finally:

@@ -31,6 +31,8 @@ class WorkerConfig:
     """torch intra-op threads; 0 keeps torch's default."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight requests may take to finish before the process exits."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics at http://HOST:PORT/metrics (None: no metrics server; 0: any free port)."""
     redis_url: str | None = None
     """Register in this Redis (heartbeat with a TTL) and publish KV events to it, so routers
     sharing it discover this worker; without it routers are given the address."""
@@ -42,6 +44,8 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         for name in ("lease_s", "pull_timeout_s", "drain_timeout_s", "registry_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")

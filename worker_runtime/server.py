@@ -21,6 +21,7 @@ from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
 from worker_runtime.kv_event_log import KvEventLog
+from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class WorkerServer:
         self._server = None
         self._health = None
         self._servicer: WorkerServicer | None = None
+        self._metrics: WorkerMetrics | None = None
+        self.metrics_port: int | None = None
         self._presence = None
 
     async def start(self) -> str:
@@ -66,6 +69,9 @@ class WorkerServer:
                                         getattr(self._transfer_side, "backend_name", ""))
         worker_pb2_grpc.add_WorkerServicer_to_server(self._servicer, self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
+        if config.metrics_port is not None:
+            self._metrics = WorkerMetrics(self._loop_thread, config.role, self.address)
+            self.metrics_port = self._metrics.serve(config.host, config.metrics_port)
         await self._server.start()
         await set_serving(self._health, [SERVICE], True)
         if config.redis_url:
@@ -73,8 +79,8 @@ class WorkerServer:
             self._presence = RedisPresence(config.redis_url, self.address, config.role, kv_events,
                                            config.registry_ttl_s)
             await self._presence.start()
-        logger.info("%s worker serving at %s (kv_transfer %s)", config.role, self.address,
-                    self._servicer.backend)
+        logger.info("%s worker serving at %s (kv_transfer %s, metrics port %s)", config.role, self.address,
+                    self._servicer.backend, self.metrics_port)
         return self.address
 
     async def drain(self, timeout_s: float | None = None) -> None:
@@ -104,6 +110,8 @@ class WorkerServer:
             self._loop_thread.join(timeout=10)
         if self._transfer_side is not None:
             self._transfer_side.close()
+        if self._metrics is not None:
+            self._metrics.close()
 
 
 def _advertised_host(config: WorkerConfig) -> str:
