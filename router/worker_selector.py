@@ -31,10 +31,8 @@ DEFAULT_BLOCK_SIZE = 16
 @dataclass
 class Route:
     decode: WorkerClient
+    """Reserved for the sample until `release`."""
     remote_prefill: bool
-    block_hashes: list[int]
-    decode_cached_blocks: int
-    queue_time_s: float = 0.0
     prefill: WorkerClient | None = None
     """Set once a prefill worker is chosen (the last one tried)."""
 
@@ -75,7 +73,6 @@ class WorkerSelector:
             if self.metrics is not None:
                 self.metrics.observe_rejection(exc.reason)
             raise
-        route.queue_time_s = waited
         if self.metrics is not None:
             self.metrics.observe_route(route, waited)
         return route
@@ -111,7 +108,7 @@ class WorkerSelector:
         worker.in_flight += 1
         uncached = len(prompt) - chosen.cached_blocks * self.block_size
         remote = self.pool.has_role("prefill") and uncached >= self.skip_prefill_tokens
-        return Route(worker, remote, block_hashes, chosen.cached_blocks)
+        return Route(worker, remote)
 
     def _candidates(self, workers: list[WorkerClient], block_hashes: list[int],
                     in_progress: bool = False) -> list[Candidate]:
