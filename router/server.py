@@ -50,8 +50,8 @@ class RouterServer:
         loop = asyncio.get_running_loop()
         builder = await loop.run_in_executor(None, RequestBuilder, config.model, config.max_model_len)
         if config.redis_url:
-            import redis.asyncio as aioredis
-            self._redis = aioredis.from_url(config.redis_url, socket_timeout=5, socket_connect_timeout=2)
+            from pdserve import redis_client
+            self._redis = redis_client.connect(config.redis_url, timeout_s=5)
         self._feeds = KvFeeds(self.index, self._redis)
         self.pool.on_add.append(self._feeds.start)
         self.pool.on_remove.append(self._feeds.stop)
@@ -94,7 +94,8 @@ class RouterServer:
         if self._feeds is not None:
             await self._feeds.close()
         if self._redis is not None:
-            await self._redis.aclose()
+            from pdserve import redis_client
+            await redis_client.close(self._redis)
         if self._metrics_server is not None:
             self._metrics_server.close()
 

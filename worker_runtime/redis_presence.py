@@ -13,10 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pdserve import redis_keys
+from pdserve import redis_client, redis_keys
 from worker_runtime.kv_event_log import KvEventLog
 
 logger = logging.getLogger(__name__)
@@ -29,8 +28,7 @@ class RedisPresence:
         self.role = role
         self.log = log
         self.ttl_s = ttl_s
-        self.redis = aioredis.from_url(url, socket_timeout=max(1.0, ttl_s / 3),
-                                       socket_connect_timeout=max(1.0, ttl_s / 3))
+        self.redis = redis_client.connect(url, timeout_s=max(1.0, ttl_s / 3))
         self._tasks: list[asyncio.Task] = []
         self._redis_ok = True
 
@@ -48,7 +46,7 @@ class RedisPresence:
             await self.redis.delete(redis_keys.worker_key(self.address))
         except RedisError:
             pass
-        await self.redis.aclose()
+        await redis_client.close(self.redis)
 
     async def _register(self) -> None:
         key = redis_keys.worker_key(self.address)

@@ -8,11 +8,9 @@ import asyncio
 import time
 
 import pytest
-import redis.asyncio as aioredis
-
 from engine.block_hash import hash_full_blocks
 from engine.kv_events import BlockRemoved, BlockStored
-from pdserve import redis_keys
+from pdserve import redis_client, redis_keys
 from pdserve.protocol import kv_events_to_proto, worker_pb2
 from router.kv_feeds import KvFeeds
 from router.kv_index import KvIndex
@@ -59,7 +57,7 @@ def redis_server():
 
 def test_gap_resyncs_from_snapshot_and_redis_restart_is_survived(redis_server):
     async def scenario():
-        client = aioredis.from_url(redis_server.url, socket_timeout=5)
+        client = redis_client.connect(redis_server.url, timeout_s=5)
         index, stub = KvIndex(), FakeWorkerStub()
         stub.seq, stub.hashes = 2, HASHES[:2]
         worker = WorkerClient(ADDRESS, "prefill", stub=stub)
@@ -96,5 +94,5 @@ def test_gap_resyncs_from_snapshot_and_redis_restart_is_survived(redis_server):
             assert overlap() == 2 and stub.calls == 3
         finally:
             await feeds.close()
-            await client.aclose()
+            await redis_client.close(client)
     asyncio.run(scenario())
