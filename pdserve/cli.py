@@ -66,6 +66,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface the gRPC server binds to")
     p.add_argument("--port", type=int, default=50051, help="gRPC port of the Generation service")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API here (/v1/completions, /v1/chat/completions, ...)")
     p.add_argument("--routing-policy", default="least_loaded", choices=["least_loaded", "round_robin"])
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument("--router-drain-timeout-s", type=float, default=30.0)
@@ -77,7 +79,7 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         decode_workers=decode, routing_policy=args.routing_policy,
                         max_model_len=args.max_model_len, health_interval_s=args.health_interval_s,
                         lease_s=args.lease_s,
-                        metrics_port=args.metrics_port, drain_timeout_s=args.router_drain_timeout_s)
+                        metrics_port=args.metrics_port, http_port=args.http_port, drain_timeout_s=args.router_drain_timeout_s)
 
 
 def _addresses(text: str) -> list[str]:

@@ -1,91 +1,20 @@
-"""The public pdserve.v1.Generation service on top of the pipeline."""
+"""The public pdserve.v1.Generation service: the gRPC wire format of the RequestRunner."""
 from __future__ import annotations
 
-import asyncio
-import time
-
-import grpc
-
-from engine.sampling_params import InvalidParameter
-from pdserve.protocol import finish_reason_name, generate_pb2, generate_pb2_grpc
-from router.metrics import RouterMetrics
-from router.pipeline import GenerationPipeline, PipelineError
-from router.request_builder import RequestBuilder
-
-_END = object()
-_ABORTED = object()
+from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from router.requests import RequestFailed, RequestRunner
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, builder: RequestBuilder, pipeline: GenerationPipeline, metrics: RouterMetrics) -> None:
-        self.builder = builder
-        self.pipeline = pipeline
-        self.metrics = metrics
-        self.draining = False
-        self._running: dict[str, asyncio.Task] = {}
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
+    def __init__(self, runner: RequestRunner) -> None:
+        self.runner = runner
 
     async def Generate(self, request, context):
-        arrival = time.perf_counter()
-        if self.draining:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the router is draining")
         try:
-            prepared = self.builder.build(request)
-        except InvalidParameter as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if prepared.request_id in self._running:
-            await self._fail(context, grpc.StatusCode.ALREADY_EXISTS,
-                             f"request_id: {prepared.request_id!r} is already running")
-        # The pipeline runs in a task of our own so that Abort (from another call) can cancel it.
-        items: asyncio.Queue = asyncio.Queue()
-        producer = asyncio.create_task(self._produce(prepared, context.time_remaining(), items))
-        self._running[prepared.request_id] = producer
-        first_token_seen = False
-        try:
-            while (item := await items.get()) is not _END:
-                if item is _ABORTED:
-                    await self._fail(context, grpc.StatusCode.CANCELLED, "aborted by an Abort call")
-                if isinstance(item, PipelineError):
-                    await self._fail(context, item.code, str(item))
-                if isinstance(item, BaseException):
-                    raise item
-                if item.HasField("chunk"):
-                    if not first_token_seen and item.chunk.token_ids:
-                        first_token_seen = True
-                        self.metrics.ttft.observe(time.perf_counter() - arrival)
-                    self.metrics.generation_tokens.inc(len(item.chunk.token_ids))
-                else:
-                    self.metrics.success.labels(finish_reason_name(item.complete.finish_reason)).inc()
-                    self.metrics.prompt_tokens.inc(item.complete.usage.prompt_tokens)
-                yield item
-            self.metrics.e2e.observe(time.perf_counter() - arrival)
-        except asyncio.CancelledError:  # the client cancelled or its deadline passed
-            self.metrics.failures.labels(grpc.StatusCode.CANCELLED.name).inc()
-            raise
-        finally:
-            producer.cancel()  # its pipeline aborts the request on every worker it touched
-            self._running.pop(prepared.request_id, None)
-
-    async def _produce(self, prepared, timeout_s, items: asyncio.Queue) -> None:
-        try:
-            async for msg in self.pipeline.generate(prepared, timeout_s):
-                items.put_nowait(msg)
-            items.put_nowait(_END)
-        except asyncio.CancelledError:
-            items.put_nowait(_ABORTED)
-            raise
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the handler
-            items.put_nowait(exc)
+            async for msg in self.runner.generate(request, context.time_remaining()):
+                yield msg
+        except RequestFailed as exc:
+            await context.abort(exc.code, str(exc))
 
     async def Abort(self, request, context):
-        task = self._running.get(request.request_id)
-        if task is not None:
-            task.cancel()
-        return generate_pb2.AbortResponse(found=task is not None)
-
-    async def _fail(self, context, code: grpc.StatusCode, message: str) -> None:
-        self.metrics.failures.labels(code.name).inc()
-        await context.abort(code, message)
+        return generate_pb2.AbortResponse(found=self.runner.abort(request.request_id))
