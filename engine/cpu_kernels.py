@@ -6,6 +6,7 @@ torch backend keeps its pure-torch path. PDSERVE_CPU_KERNELS=0 turns it off.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -25,8 +26,13 @@ def load():
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load as build
-        _module = build(name="pdserve_cpu_kernels", sources=_SOURCES,
+        from torch.utils.cpp_extension import _get_build_directory, load as build
+        # One build directory per checkout and source version: two checkouts (or an old
+        # and a new version) sharing TORCH_EXTENSIONS_DIR never rebuild over each other.
+        digest = hashlib.sha256("".join(s + Path(s).read_text() for s in _SOURCES).encode()).hexdigest()[:12]
+        build_dir = Path(_get_build_directory("pdserve_cpu_kernels", False) + f"-{digest}")
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _module = build(name="pdserve_cpu_kernels", sources=_SOURCES, build_directory=str(build_dir),
                         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path

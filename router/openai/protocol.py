@@ -156,5 +156,5 @@ def _common_param(field: str) -> str:
 
 
 # Names a validation error's location may use (the rest are pydantic's union member tags).
-BODY_FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
-                        for name in model.model_fields)
+BODY_FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
+                                           StreamOptions) for name in model.model_fields)
