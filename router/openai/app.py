@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.sampling_params import InvalidParameter
 from pdserve.client import collect_samples
 from router.openai import errors
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -37,8 +37,12 @@ def create_app(runner: RequestRunner, model_name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         return errors.validation_error(exc)
-    token_text = runner.builder.tokenizer.decode
+
+    tokenizer = runner.builder.tokenizer
     created = int(time.time())
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
 
     @app.get("/health")
     async def health() -> Response:
@@ -51,23 +55,21 @@ def create_app(runner: RequestRunner, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        api = Completions(f"cmpl-{uuid.uuid4().hex}", model_name, lambda t: token_text([t]))
-        return await generate(body, request, api, body.logprobs is not None,
-                              body.max_tokens or SamplingParams.max_tokens)
+        return await generate(body, request, Completions(f"cmpl-{uuid.uuid4().hex}", model_name, token_text))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        api = ChatCompletions(f"chatcmpl-{uuid.uuid4().hex}", model_name, lambda t: token_text([t]))
-        return await generate(body, request, api, body.logprobs, body.requested_max_tokens)
+        return await generate(body, request, ChatCompletions(f"chatcmpl-{uuid.uuid4().hex}", model_name, token_text))
 
-    async def generate(body, request: Request, api, want_logprobs: bool, max_tokens: int | None) -> Response:
+    async def generate(body, request: Request, api) -> Response:
         if body.model is not None and body.model != model_name:
             return errors.model_not_found(body.model)
         try:
             msg = body.to_generate_request(api.request_id)
         except InvalidParameter as exc:
             return errors.invalid(exc.field, str(exc))
-        responses = runner.generate(msg, max_tokens_to_context=isinstance(body, ChatCompletionRequest))
+        want_logprobs = msg.params.HasField("logprobs")
+        responses = runner.generate(msg, max_tokens_to_context=body.default_max_tokens is None)
         try:
             if not body.stream:
                 samples = await _until_disconnected(request, collect_samples(responses))
@@ -77,7 +79,7 @@ def create_app(runner: RequestRunner, model_name: str) -> FastAPI:
             return _failure(exc, body)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        stream = SseStream(api, want_logprobs, body.include_usage, max_tokens)
+        stream = SseStream(api, want_logprobs, body.include_usage, body.requested_max_tokens or body.default_max_tokens)
         return StreamingResponse(_events(stream, first, responses, body), media_type="text/event-stream")
 
     return app

@@ -8,11 +8,11 @@ implement are accepted only at their neutral value.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import InvalidParameter
+from engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.protocol import generate_pb2
 
 Int32 = Annotated[int, Field(ge=-2 ** 31, le=2 ** 31 - 1)]
@@ -73,6 +73,9 @@ class _GenerationBody(BaseModel):
 
 
 class CompletionRequest(_GenerationBody):
+    default_max_tokens: ClassVar[int | None] = SamplingParams.max_tokens
+    """What an unset max_tokens means (None: the rest of the context)."""
+
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
     max_tokens: Int32 | None = None
     logprobs: Int32 | None = None
@@ -115,6 +118,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationBody):
+    default_max_tokens: ClassVar[int | None] = None
+
     messages: list[ChatMessage]
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None

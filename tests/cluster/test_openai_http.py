@@ -59,7 +59,9 @@ def streamed_texts(stream) -> tuple[dict, dict, list]:
     """(text by index, finish_reason by index, usage chunks) of a chat or completions stream."""
     texts, reasons, usages = {}, {}, []
     for event in stream:
+        assert len(event.choices) <= 1
         for choice in event.choices:
+            assert choice.index not in reasons, "nothing follows a choice's finish_reason"
             piece = choice.delta.content if hasattr(choice, "delta") else choice.text
             texts[choice.index] = texts.get(choice.index, "") + (piece or "")
             if choice.finish_reason:
@@ -97,9 +99,12 @@ def test_greedy_outputs_equal_the_grpc_front(http_router, workers, stream):
         else:
             got = oa.completions.create(prompt=prompt.get("prompt") or prompt["token_ids"], **common)
         if stream:
-            texts, reasons, usages = streamed_texts(got)
+            events = list(got)
+            texts, reasons, usages = streamed_texts(events)
             text, reason, usage = texts[0], reasons[0], usages[0]
             assert len(usages) == 1
+            if reason == "length":  # one event per token; the last token's event carries finish_reason
+                assert sum(1 for e in events if e.choices) == usage.completion_tokens, name
         else:
             choice = got.choices[0]
             text = choice.message.content if "messages" in prompt else choice.text
