@@ -55,6 +55,7 @@ class _Job:
     sink: Sink
     give_up_at: float
     transfer: Transfer | None = None
+    pull_started: float = 0.0
 
 
 class DecodeLoop(EngineLoop):
@@ -85,7 +86,7 @@ class DecodeLoop(EngineLoop):
                 self._queued.append(_Job(request_id, prompt, params, source, sink,
                                          time.monotonic() + self.pull_timeout_s))
             self.add_sink(request_id, sink)
-            self.requests_total += 1
+            self.count_request(len(prompt))
         return self.call(add)
 
     def abort(self, request_id: str) -> asyncio.Future:
@@ -123,6 +124,7 @@ class DecodeLoop(EngineLoop):
                 continue
             del self._pulling[request_id]
             if state == TransferState.DONE:
+                self.observe_transfer_s(time.monotonic() - job.pull_started)
                 self.engine.add_request(request_id, job.prompt, job.params,
                                         first_token_id=job.source.first_token_id)
             else:
@@ -147,6 +149,7 @@ class DecodeLoop(EngineLoop):
                 continue
             self._queued.popleft()
             remote = job.source.block_ids
+            job.pull_started = time.monotonic()
             try:
                 if len(remote) != len(table):
                     raise ValueError(f"the KV handle has {len(remote)} blocks, the prompt needs {len(table)}")

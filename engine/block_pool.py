@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.block_hash import NO_PARENT
+from engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+
 
 @dataclass
 class KVBlock:
@@ -34,6 +37,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}
         self.num_evictions = 0
+        self.events: list[KVEvent] | None = None
+        """When a list, every change of the prefix cache is appended to it (see kv_events)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,6 +67,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.append(BlockRemoved(block.block_hash))
             block.block_hash = block.token_ids = None
             self.num_evictions += 1
         block.ref_count = 1
@@ -85,7 +92,7 @@ class BlockPool:
             if block.block_hash is None:
                 self._free.move_to_end(block_id, last=False)
 
-    def register(self, block_id: int, block_hash: int, token_ids) -> None:
+    def register(self, block_id: int, block_hash: int, token_ids, parent_hash: int = NO_PARENT) -> None:
         """Enter a full, computed block into the prefix cache (first one wins)."""
         if not self.enable_caching or block_hash in self._cached:
             return
@@ -95,6 +102,12 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.append(BlockStored(block_hash, parent_hash))
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache (a snapshot for routers that lost events)."""
+        return list(self._cached)
 
     def is_free(self, block_id: int) -> bool:
         return self.blocks[block_id].ref_count == 0
@@ -106,4 +119,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = block.token_ids = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllCleared())
         return True

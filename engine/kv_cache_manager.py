@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_hash import hash_full_blocks
+from engine.block_hash import NO_PARENT, hash_full_blocks
 from engine.block_pool import BlockPool
 
 
@@ -131,7 +131,8 @@ class KVCacheManager:
         table = self.block_tables[seq_id]
         bs = self.block_size
         for i in range(done, num_full):
-            self.pool.register(table[i], hashes[i], token_ids[i * bs:(i + 1) * bs])
+            self.pool.register(table[i], hashes[i], token_ids[i * bs:(i + 1) * bs],
+                               hashes[i - 1] if i else NO_PARENT)
         self._num_registered[seq_id] = num_full
 
     def free(self, seq_id: str) -> None:

@@ -143,6 +143,22 @@ class LLMEngine:
         self.kv.free(request_id)
         return True
 
+    def enable_kv_events(self) -> None:
+        """Start recording prefix-cache events (taken with `take_kv_events`)."""
+        if self.kv.pool.events is None:
+            self.kv.pool.events = []
+
+    def take_kv_events(self) -> list:
+        """Prefix-cache events since the last call, oldest first (engine/kv_events.py)."""
+        events = self.kv.pool.events
+        if not events:
+            return []
+        self.kv.pool.events = []
+        return events
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.kv.pool.cached_hashes()
+
     @property
     def num_kv_blocks_used(self) -> int:
         """Blocks held by requests or kept for transfers (free prefix-cache blocks excluded)."""

@@ -45,6 +45,16 @@ def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:
                    help="requests a worker holds at once; more get RESOURCE_EXHAUSTED")
     p.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    if standalone:
+        p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+        add_registry_args(p)
+
+
+def add_registry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=None,
+                   help="share the worker registry and KV events through this Redis (redis://host:port/db)")
+    p.add_argument("--registry-ttl-s", type=float, default=3.0,
+                   help="lifetime of a worker's registration in Redis (renewed every third of it)")
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str, standalone: bool = True):
@@ -59,7 +69,8 @@ def worker_config_from_args(args: argparse.Namespace, role: str, standalone: boo
                         port=args.port if standalone else 0, advertise_host=advertise,
                         kv_transfer=kv, lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                         max_num_requests=args.max_num_requests, num_threads=args.num_threads,
-                        drain_timeout_s=args.drain_timeout_s)
+                        drain_timeout_s=args.drain_timeout_s, redis_url=args.redis_url,
+                        registry_ttl_s=args.registry_ttl_s, metrics_port=args.metrics_port if standalone else None)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -68,18 +79,36 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     p.add_argument("--http-port", type=int, default=None,
                    help="serve the OpenAI-compatible HTTP API here (/v1/completions, /v1/chat/completions, ...)")
-    p.add_argument("--routing-policy", default="least_loaded", choices=["least_loaded", "round_robin"])
+    p.add_argument("--routing-policy", default="prefix", choices=["prefix", "least_loaded", "round_robin", "random"],
+                   help="prefix: fewest uncached prompt blocks plus load (KV events); see router/routing_policy.py")
+    p.add_argument("--overlap-weight", type=float, default=1.0,
+                   help="prefix policy: cost of an uncached prompt block relative to a block of queued work")
+    p.add_argument("--kv-weight", type=float, default=4.0,
+                   help="decode choice: cost of a full KV pool, in running requests")
+    p.add_argument("--skip-prefill-tokens", type=int, default=32,
+                   help="the decode worker prefills itself when fewer prompt tokens than this are uncached there")
+    p.add_argument("--max-queue-len", type=int, default=256,
+                   help="requests that may wait when every worker is saturated; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--queue-timeout-s", type=float, default=30.0)
+    p.add_argument("--retry-after-s", type=float, default=1.0, help="retry advice sent with RESOURCE_EXHAUSTED")
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument("--router-drain-timeout-s", type=float, default=30.0)
+    add_registry_args(p)
 
 
 def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode: list[str]):
     from router.config import RouterConfig
+    from router.routing_policy import RoutingWeights
     return RouterConfig(model=args.model, host=args.host, port=args.port, prefill_workers=prefill,
                         decode_workers=decode, routing_policy=args.routing_policy,
+                        routing_weights=RoutingWeights(args.overlap_weight, args.kv_weight),
+                        skip_prefill_tokens=args.skip_prefill_tokens, redis_url=args.redis_url,
+                        registry_ttl_s=args.registry_ttl_s, max_queue_len=args.max_queue_len,
+                        queue_timeout_s=args.queue_timeout_s, retry_after_s=args.retry_after_s,
                         max_model_len=args.max_model_len, health_interval_s=args.health_interval_s,
                         lease_s=args.lease_s,
-                        metrics_port=args.metrics_port, http_port=args.http_port, drain_timeout_s=args.router_drain_timeout_s)
+                        metrics_port=args.metrics_port, http_port=args.http_port,
+                        drain_timeout_s=args.router_drain_timeout_s)
 
 
 def _addresses(text: str) -> list[str]:
@@ -110,11 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = sub.add_parser("router", help="run the router alone (workers started elsewhere)")
     router.add_argument("--prefill-workers", default="", help="comma-separated host:port of prefill workers")
-    router.add_argument("--decode-workers", required=True, help="comma-separated host:port of decode workers")
+    router.add_argument("--decode-workers", default="",
+                        help="comma-separated host:port of decode workers (or let them register in --redis-url)")
     router.add_argument("--lease-s", type=float, default=30.0)
     add_router_args(router)
     router.add_argument("--model", default="default", help="checkpoint directory (tokenizer), or 'default'")
     router.add_argument("--max-model-len", type=int, default=None)
+
+    from loadtest.cli import add_arguments as add_loadtest_args
+    add_loadtest_args(sub.add_parser("loadtest", help="measure TTFT/ITL/TPOT/E2E latency and goodput of a running "
+                                                      "cluster at a request rate"))
 
     for role in ("prefill", "decode"):
         worker = sub.add_parser(f"{role}-worker", help=f"run one {role} worker (its own gRPC server)")
@@ -144,6 +178,9 @@ def _prepare(args: argparse.Namespace):
         config = engine_config_from_args(args)
         from pdserve.offline import run_offline
         return lambda: run_offline(args, config)
+    if args.command == "loadtest":
+        from loadtest.cli import prepare
+        return prepare(args)
     if args.command in ("prefill-worker", "decode-worker"):
         from worker_runtime.server import run_worker
         config = worker_config_from_args(args, args.command.split("-")[0])

@@ -108,7 +108,12 @@ class RayCluster:
             for _ in range(count):
                 engine = dataclasses.replace(cfg.worker.engine, device="cuda" if use_gpu else cfg.worker.engine.device)
                 port = cfg.worker.port or free_port(cfg.worker.host)
-                worker = dataclasses.replace(cfg.worker, role=role, port=port, num_threads=threads, engine=engine)
+                # With router metrics on, every worker serves its own (a port fixed here, kept across restarts).
+                metrics_port = free_port(cfg.worker.host) if cfg.router.metrics_port is not None else None
+                worker = dataclasses.replace(cfg.worker, role=role, port=port, num_threads=threads, engine=engine,
+                                             metrics_port=metrics_port)
+                if metrics_port is not None:
+                    print(f"{role} worker metrics at http://{cfg.worker.host}:{metrics_port}/metrics", flush=True)
                 actor = actor_cls.options(num_cpus=1, num_gpus=1 if use_gpu else 0,
                                           max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
                                           name=None).remote(worker, cfg.log_level)

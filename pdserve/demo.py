@@ -1,4 +1,5 @@
-"""`make demo`: start the local cluster (`pdserve serve`), stream chat answers through it, stop it."""
+"""`make demo`: start the local cluster (`pdserve serve`), stream chat answers through it, run a short
+SLO load test against it, stop it."""
 from __future__ import annotations
 
 import asyncio
@@ -65,10 +66,20 @@ async def ask_all(address: str) -> None:
           f"{num_tokens} tokens in {elapsed:.1f} s")
 
 
+def load_test(address: str) -> int:
+    """A short `pdserve loadtest` (the real command) with CPU-sized SLOs; prints its SLO table."""
+    from pdserve.cli import main as pdserve_main
+    argv = ["loadtest", "--url", address, "--dataset", "random", "--num-prompts", "20", "--request-rate", "1",
+            "--random-input-len", "64", "--random-output-len", "16", "--goodput", "ttft:2000", "tpot:300"]
+    print(f"\n$ pdserve {' '.join(argv)}", flush=True)
+    return pdserve_main(argv)
+
+
 def main() -> int:
     proc, address = start_cluster()
     try:
         asyncio.run(ask_all(address))
+        load_test(address)
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)

@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 
 __all__ = ["generate_pb2", "generate_pb2_grpc", "worker_pb2", "worker_pb2_grpc",
            "params_from_proto", "params_to_proto", "chunk_from_delta", "FINISH_REASONS", "finish_reason_name",
-           "logprobs_from_chunk", "usage_from_proto"]
+           "logprobs_from_chunk", "usage_from_proto", "kv_events_to_proto", "kv_events_from_proto"]
 
 FINISH_REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -74,3 +74,37 @@ def usage_from_proto(usage: "generate_pb2.Usage") -> dict:
 
 def finish_reason_name(value: int) -> str:
     return _REASON_NAMES.get(value, "abort")
+
+
+def kv_events_to_proto(events) -> list:
+    """engine.kv_events -> pdserve.v1.KvEvent messages, in order."""
+    from engine.block_hash import NO_PARENT
+    from engine.kv_events import BlockRemoved, BlockStored
+    out = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            stored = worker_pb2.BlockStored(block_hash=e.block_hash)
+            if e.parent_hash != NO_PARENT:
+                stored.parent_hash = e.parent_hash
+            out.append(worker_pb2.KvEvent(stored=stored))
+        elif isinstance(e, BlockRemoved):
+            out.append(worker_pb2.KvEvent(removed=worker_pb2.BlockRemoved(block_hash=e.block_hash)))
+        else:
+            out.append(worker_pb2.KvEvent(cleared=worker_pb2.AllCleared()))
+    return out
+
+
+def kv_events_from_proto(messages) -> list:
+    from engine.block_hash import NO_PARENT
+    from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+    out = []
+    for m in messages:
+        kind = m.WhichOneof("kind")
+        if kind == "stored":
+            parent = m.stored.parent_hash if m.stored.HasField("parent_hash") else NO_PARENT
+            out.append(BlockStored(m.stored.block_hash, parent))
+        elif kind == "removed":
+            out.append(BlockRemoved(m.removed.block_hash))
+        else:
+            out.append(AllCleared())
+    return out

@@ -47,7 +47,7 @@ class PrefillLoop(EngineLoop):
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params, prefill_only=True)
-            self.requests_total += 1
+            self.count_request(len(prompt))
             self._waiting[request_id] = (result, lease_s)
 
         added = self.call(add)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROUTING_POLICIES = ("least_loaded", "round_robin")
+from router.routing_policy import POLICIES as ROUTING_POLICIES
+from router.routing_policy import RoutingWeights
 
 
 @dataclass
@@ -17,7 +18,24 @@ class RouterConfig:
     """host:port of each prefill worker; none means decode workers prefill themselves (co-located)."""
     decode_workers: list[str] = field(default_factory=list)
     """host:port of each decode worker (until one is known, requests get UNAVAILABLE)."""
-    routing_policy: str = "least_loaded"
+    routing_policy: str = "prefix"
+    """prefix (KV-index overlap + load), least_loaded, round_robin or random (see routing_policy.py)."""
+    routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
+    skip_prefill_tokens: int = 32
+    """When the decode worker already holds all but fewer than this many prompt tokens,
+    it prefills them itself (no remote prefill, no transfer). 0: always prefill remotely."""
+    redis_url: str | None = None
+    """Share the worker registry and KV events through this Redis (workers register
+    there themselves); without it the router knows the workers given here only."""
+    registry_ttl_s: float = 3.0
+    """Workers' registration lifetime (as they were told); after Redis reconnects,
+    absent workers are kept this long before removal."""
+    max_queue_len: int = 256
+    """Requests that may wait for a worker with room; more get RESOURCE_EXHAUSTED at once."""
+    queue_timeout_s: float = 30.0
+    """Longest wait in that queue before RESOURCE_EXHAUSTED."""
+    retry_after_s: float = 1.0
+    """Retry advice sent with RESOURCE_EXHAUSTED."""
     max_model_len: int | None = None
     """Longest prompt plus output; defaults to the model's max_position_embeddings."""
     health_interval_s: float = 1.0
@@ -44,6 +62,11 @@ class RouterConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} out of range: {value}")
-        for name in ("health_interval_s", "lease_s", "drain_timeout_s"):
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.skip_prefill_tokens < 0 or self.max_queue_len < 0:
+            raise ValueError("skip_prefill_tokens and max_queue_len must be >= 0")
+        for name in ("health_interval_s", "lease_s", "drain_timeout_s", "registry_ttl_s", "queue_timeout_s",
+                     "retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")

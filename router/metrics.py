@@ -6,13 +6,17 @@ polled by the WorkerPool.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.metrics_http import MetricsServer
 from router.worker_pool import WorkerPool
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                   40.0, 80.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25,
+                   1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+"""vLLM's TTFT/E2E buckets plus finer ones between 0.1 and 4 s, where CPU latencies fall."""
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                         0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
 class WorkerStatsCollector:
@@ -48,6 +52,14 @@ class RouterMetrics:
         self.registry.register(WorkerStatsCollector(pool))
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time from request arrival to its first token",
                               registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds",
+                             "Gap between consecutive chunks of a request as the router relays them",
+                             registry=self.registry, buckets=TOKEN_LATENCY_BUCKETS)
+        self.tpot = Histogram("pdserve:request_time_per_output_token_seconds",
+                              "(e2e latency - TTFT) / (output tokens - 1), per request with 2+ tokens",
+                              registry=self.registry, buckets=TOKEN_LATENCY_BUCKETS)
+        self.cancelled = Counter("pdserve:request_cancelled", "Requests ended by the client (cancel, deadline) "
+                                 "or by an Abort call", registry=self.registry)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Time from arrival to the last token",
                              registry=self.registry, buckets=LATENCY_BUCKETS)
         self.success = Counter("pdserve:request_success", "Finished samples by finish reason",
@@ -58,6 +70,6 @@ class RouterMetrics:
                                      registry=self.registry)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=self.registry)
 
-    def serve(self, host: str, port: int):
-        """Start the /metrics HTTP server in a thread; returns (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int) -> MetricsServer:
+        """Start the /metrics HTTP server in a thread."""
+        return MetricsServer(self.registry, host, port)

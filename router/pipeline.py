@@ -5,6 +5,11 @@ yields pdserve.v1.GenerateResponse messages: the first token the moment
 prefill returns it, then the decode worker's stream. n > 1 fans out into n
 independent samples (seed + i), merged into one stream by index.
 
+Which workers: WorkerSelector admits each sample (bounded queue; overload ->
+RESOURCE_EXHAUSTED with retry advice), reserves its decode worker, decides
+whether remote prefill is worth it, and picks the prefill worker by the
+routing policy.
+
 Failure rules: a prefill worker that is unreachable is skipped (the next one
 is tried; nothing was streamed yet). Any other failure ends the sample with a
 PipelineError carrying the gRPC status. Whenever a sample ends other than by
@@ -21,48 +26,58 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.protocol import generate_pb2, params_to_proto, worker_pb2
+from router.admission import AdmissionRejected
 from router.config import RouterConfig
 from router.request_builder import PreparedRequest
-from router.worker_pool import WorkerClient, WorkerPool
+from router.worker_pool import WorkerClient
+from router.worker_selector import Route, WorkerSelector
 
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
 
 
 class PipelineError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
+        """Set on RESOURCE_EXHAUSTED: when the client should try again."""
 
 
 class GenerationPipeline:
-    def __init__(self, config: RouterConfig, pool: WorkerPool) -> None:
+    def __init__(self, config: RouterConfig, selector: WorkerSelector) -> None:
         self.config = config
-        self.pool = pool
+        self.selector = selector
+        self.pool = selector.pool
         self._background: set[asyncio.Task] = set()
 
-    async def generate(self, request: PreparedRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def generate(self, request: PreparedRequest, timeout_s: float | None = None,
+                       routes: list[tuple[int, Route]] | None = None
+                       ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Stream the request's responses; `routes` (if given) receives (index, Route) per sample."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         tag = uuid.uuid4().hex[:8]
+        hashes = self.selector.block_hashes(request.prompt_token_ids)
+        routes = [] if routes is None else routes
         if request.params.n == 1:
-            async for msg in self._sample(f"{request.request_id}-{tag}", 0, request, request.params, deadline):
+            async for msg in self._sample(f"{request.request_id}-{tag}", 0, request, request.params, deadline,
+                                          hashes, routes):
                 msg.request_id = request.request_id
                 yield msg
             return
-        async for msg in self._fan_out(request, tag, deadline):
+        async for msg in self._fan_out(request, tag, deadline, hashes, routes):
             msg.request_id = request.request_id
             yield msg
 
-    async def _fan_out(self, request: PreparedRequest, tag: str, deadline):
+    async def _fan_out(self, request: PreparedRequest, tag: str, deadline, hashes, routes):
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(index: int) -> None:
             try:
                 async for msg in self._sample(f"{request.request_id}-{tag}-{index}", index, request,
-                                              request.params.for_sample(index), deadline):
+                                              request.params.for_sample(index), deadline, hashes, routes):
                     queue.put_nowait(msg)
                 queue.put_nowait(done)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -84,16 +99,21 @@ class GenerationPipeline:
             for t in tasks:
                 t.cancel()
 
-    async def _sample(self, sample_id: str, index: int, request: PreparedRequest, params, deadline):
+    async def _sample(self, sample_id: str, index: int, request: PreparedRequest, params, deadline, hashes, routes):
         prompt = request.prompt_token_ids
         params_msg = params_to_proto(params)
         touched: list[WorkerClient] = []
         completed = False
         try:
+            route = await self.selector.route(prompt, hashes)
+        except AdmissionRejected as exc:
+            raise PipelineError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
+        routes.append((index, route))
+        try:
             decode_req = worker_pb2.DecodeRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg)
             cached = None
-            if self.pool.has_role("prefill"):
-                first = await self._prefill(sample_id, prompt, params_msg, deadline, touched)
+            if route.remote_prefill:
+                first = await self._prefill(sample_id, prompt, hashes, params_msg, deadline, touched, route)
                 cached = first.cached_tokens
                 yield generate_pb2.GenerateResponse(index=index, chunk=first.first)
                 if first.finished:
@@ -105,7 +125,7 @@ class GenerationPipeline:
                     return
                 decode_req.first_token_id = first.first.token_ids[0]
                 decode_req.kv.CopyFrom(first.kv)
-            async for msg in self._decode(decode_req, deadline, touched):
+            async for msg in self._decode(decode_req, route.decode, deadline, touched):
                 msg.index = index
                 if msg.HasField("complete"):
                     completed = True
@@ -113,21 +133,27 @@ class GenerationPipeline:
                         msg.complete.usage.cached_tokens = cached
                 yield msg
         finally:
+            self.selector.release(route)
             if not completed:
                 for worker in touched:
                     self._abort_later(worker, sample_id)
 
-    async def _prefill(self, sample_id, prompt, params_msg, deadline, touched):
+    async def _prefill(self, sample_id, prompt, hashes, params_msg, deadline, touched, route: Route):
         request = worker_pb2.PrefillRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg,
                                             lease_s=self.config.lease_s)
         tried: list[WorkerClient] = []
         while True:
-            worker = self.pool.pick("prefill", exclude=tuple(tried))
-            if worker is None:
+            picked = self.selector.pick_prefill(len(prompt), hashes, exclude=tuple(tried))
+            if picked is None:
                 detail = f" (tried {', '.join(w.address for w in tried)})" if tried else ""
                 raise PipelineError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker" + detail)
+            worker, cached_blocks = picked
+            route.prefill = worker
             touched.append(worker)
+            uncached = max(0, len(prompt) - cached_blocks * self.selector.block_size)
             worker.in_flight += 1
+            worker.pending_tokens += uncached
+            worker.pending_prompts[sample_id] = hashes
             try:
                 return await worker.stub.Prefill(request, timeout=_remaining(deadline))
             except grpc.aio.AioRpcError as exc:
@@ -138,13 +164,11 @@ class GenerationPipeline:
                 raise _worker_error(worker, exc) from None
             finally:
                 worker.in_flight -= 1
+                worker.pending_tokens -= uncached
+                worker.pending_prompts.pop(sample_id, None)
 
-    async def _decode(self, decode_req, deadline, touched):
-        worker = self.pool.pick("decode")
-        if worker is None:
-            raise PipelineError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+    async def _decode(self, decode_req, worker: WorkerClient, deadline, touched):
         touched.append(worker)
-        worker.in_flight += 1
         call = worker.stub.Decode(decode_req, timeout=_remaining(deadline))
         try:
             async for msg in call:
@@ -154,7 +178,6 @@ class GenerationPipeline:
                 self._recheck(worker)
             raise _worker_error(worker, exc) from None
         finally:
-            worker.in_flight -= 1
             call.cancel()
 
     def _recheck(self, worker: WorkerClient) -> None:

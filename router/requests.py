@@ -59,9 +59,11 @@ class RequestRunner:
         return task is not None
 
     async def generate(self, msg: generate_pb2.GenerateRequest, timeout_s: float | None = None,
-                       max_tokens_to_context: bool = False) -> AsyncIterator[generate_pb2.GenerateResponse]:
+                       max_tokens_to_context: bool = False,
+                       routes: list | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Yield the request's responses; raises RequestFailed. Closing or cancelling the
-        consumer aborts the request on every worker. (`max_tokens_to_context`: RequestBuilder.build.)"""
+        consumer aborts the request on every worker. (`max_tokens_to_context`:
+        RequestBuilder.build; `routes` receives (index, Route) per sample, as the pipeline's.)"""
         arrival = time.perf_counter()
         if self.draining:
             raise self._failed(grpc.StatusCode.UNAVAILABLE, "the router is draining")
@@ -73,37 +75,48 @@ class RequestRunner:
             raise self._failed(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: {prepared.request_id!r} is already running", field="request_id")
         items: asyncio.Queue = asyncio.Queue()
-        producer = asyncio.create_task(self._produce(prepared, timeout_s, items))
+        producer = asyncio.create_task(self._produce(prepared, timeout_s, items, routes))
         self._running[prepared.request_id] = producer
-        first_token_seen = False
+        first_token_at = last_chunk_at = None
+        num_tokens = 0
         try:
             while (item := await items.get()) is not _END:
                 if item is _ABORTED:
+                    self.metrics.cancelled.inc()
                     raise self._failed(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
                 if isinstance(item, PipelineError):
-                    raise self._failed(item.code, str(item), retry_after_s=getattr(item, "retry_after_s", None))
+                    raise self._failed(item.code, str(item), retry_after_s=item.retry_after_s)
                 if isinstance(item, BaseException):
                     raise item
-                if item.HasField("chunk"):
-                    if not first_token_seen and item.chunk.token_ids:
-                        first_token_seen = True
-                        self.metrics.ttft.observe(time.perf_counter() - arrival)
-                    self.metrics.generation_tokens.inc(len(item.chunk.token_ids))
-                else:
+                if item.HasField("complete"):
                     self.metrics.success.labels(finish_reason_name(item.complete.finish_reason)).inc()
                     self.metrics.prompt_tokens.inc(item.complete.usage.prompt_tokens)
+                elif item.chunk.token_ids:
+                    now = time.perf_counter()
+                    if first_token_at is None:
+                        first_token_at = now
+                        self.metrics.ttft.observe(now - arrival)
+                    else:
+                        self.metrics.itl.observe(now - last_chunk_at)
+                    last_chunk_at = now
+                    num_tokens += len(item.chunk.token_ids)
+                    self.metrics.generation_tokens.inc(len(item.chunk.token_ids))
                 yield item
-            self.metrics.e2e.observe(time.perf_counter() - arrival)
+            end = time.perf_counter()
+            self.metrics.e2e.observe(end - arrival)
+            if num_tokens > 1:
+                self.metrics.tpot.observe((end - first_token_at) / (num_tokens - 1))
         except (asyncio.CancelledError, GeneratorExit):  # the client went away, or its deadline passed
+            self.metrics.cancelled.inc()
             self.metrics.failures.labels(grpc.StatusCode.CANCELLED.name).inc()
             raise
         finally:
             producer.cancel()  # its pipeline aborts the request on every worker it touched
             self._running.pop(prepared.request_id, None)
 
-    async def _produce(self, prepared, timeout_s, items: asyncio.Queue) -> None:
+    async def _produce(self, prepared, timeout_s, items: asyncio.Queue, routes: list | None) -> None:
         try:
-            async for msg in self.pipeline.generate(prepared, timeout_s):
+            async for msg in self.pipeline.generate(prepared, timeout_s, routes):
                 items.put_nowait(msg)
             items.put_nowait(_END)
         except asyncio.CancelledError:

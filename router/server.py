@@ -8,15 +8,21 @@ import time
 
 from pdserve.grpc_common import add_health_and_reflection, new_server, run_until_signalled, set_serving
 from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from router.admission import AdmissionQueue
 from router.config import RouterConfig
+from router.kv_feeds import KvFeeds
+from router.kv_index import KvIndex
 from router.metrics import RouterMetrics
 from router.openai.app import create_app
 from router.openai.server import HttpServer
 from router.pipeline import GenerationPipeline
 from router.request_builder import RequestBuilder
 from router.requests import RequestRunner
+from router.routing_metrics import RoutingMetrics
+from router.routing_policy import RoutingPolicy
 from router.service import GenerationServicer
 from router.worker_pool import WorkerPool
+from router.worker_selector import WorkerSelector
 
 logger = logging.getLogger(__name__)
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -26,10 +32,18 @@ class RouterServer:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.address = ""
-        self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.routing_policy,
-                               config.health_interval_s)
+        self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.health_interval_s)
         self.metrics = RouterMetrics(self.pool)
-        self.pipeline = GenerationPipeline(config, self.pool)
+        self.index = KvIndex()
+        self.admission = AdmissionQueue(config.max_queue_len, config.queue_timeout_s, config.retry_after_s)
+        self.routing_metrics = RoutingMetrics(self.metrics.registry, self.index, lambda: self.admission.num_waiting)
+        self.selector = WorkerSelector(self.pool, self.index, RoutingPolicy(config.routing_policy,
+                                                                            config.routing_weights),
+                                       self.admission, config.skip_prefill_tokens, self.routing_metrics)
+        self.pipeline = GenerationPipeline(config, self.selector)
+        self._redis = None
+        self._feeds: KvFeeds | None = None
+        self._registry = None
         self._server = None
         self._health = None
         self.runner: RequestRunner | None = None
@@ -41,7 +55,17 @@ class RouterServer:
         config = self.config
         loop = asyncio.get_running_loop()
         builder = await loop.run_in_executor(None, RequestBuilder, config.model, config.max_model_len)
+        if config.redis_url:
+            import redis.asyncio as aioredis
+            self._redis = aioredis.from_url(config.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self._feeds = KvFeeds(self.index, self._redis)
+        self.pool.on_add.append(self._feeds.start)
+        self.pool.on_remove.append(self._feeds.stop)
         await self.pool.start()
+        if self._redis is not None:
+            from router.registry import RedisRegistry
+            self._registry = RedisRegistry(self._redis, self.pool, config.health_interval_s, config.registry_ttl_s)
+            await self._registry.start()
         if wait_for_workers_s:
             await self.pool.wait_healthy(wait_for_workers_s)
         self.runner = RequestRunner(builder, self.pipeline, self.metrics)
@@ -57,7 +81,7 @@ class RouterServer:
             self._http = HttpServer(create_app(self.runner, config.model), config.host, config.http_port)
             self.http_port = await self._http.start()
         if config.metrics_port is not None:
-            self._metrics_server, _ = self.metrics.serve(config.host, config.metrics_port)
+            self._metrics_server = self.metrics.serve(config.host, config.metrics_port)
         await set_serving(self._health, [SERVICE], True)
         return self.address
 
@@ -75,9 +99,15 @@ class RouterServer:
         if self._server is not None:
             await self._server.stop(grace_s)
         await self.pipeline.wait_background()
+        if self._registry is not None:
+            await self._registry.close()
         await self.pool.close()
+        if self._feeds is not None:
+            await self._feeds.close()
+        if self._redis is not None:
+            await self._redis.aclose()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            self._metrics_server.close()
 
 
 def run_router(config: RouterConfig) -> int:

@@ -1,6 +1,7 @@
-"""The router's view of its workers: connections, health, load, and the pick.
+"""The router's view of its workers: connections, health and load.
 
-Every worker is polled (`GetStats`, which doubles as the health check) every
+Workers come from the router's flags (static) or join and leave at run time
+(the Redis registry calls `add`/`remove`). Every worker is polled (`GetStats`, which doubles as the health check) every
 `health_interval_s`. A worker that cannot be reached (UNAVAILABLE: the process
 is gone) is taken out of rotation at once; one that is merely slow to answer
 (a busy CPU) only after MAX_SLOW_POLLS polls in a row time out. The poll puts
@@ -10,9 +11,9 @@ address).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -27,58 +28,98 @@ MAX_SLOW_POLLS = 3
 class WorkerClient:
     address: str
     role: str
-    index: int
     channel: grpc.aio.Channel = field(repr=False, default=None)
     stub: worker_pb2_grpc.WorkerStub = field(repr=False, default=None)
     healthy: bool = False
     in_flight: int = 0
-    """Calls this router has open on the worker."""
+    """Requests this router has placed on the worker and not yet seen end."""
+    in_flight_at_poll: int = 0
+    """`in_flight` when the last stats arrived (the rest of stats.num_requests is others' work)."""
+    pending_tokens: int = 0
+    """Prefill: uncached prompt tokens of this router's Prefill calls in progress."""
+    pending_prompts: dict[str, list[int]] = field(default_factory=dict)
+    """Prefill: block hashes of this router's Prefill calls in progress, by sample id."""
     stats: worker_pb2.WorkerStats | None = None
     last_error: str = ""
     slow_polls: int = 0
     """Consecutive polls that timed out."""
 
-    def load(self) -> tuple:
-        """Smaller is less loaded: open calls, then queued prompt tokens, then KV in use."""
-        s = self.stats
-        return (self.in_flight, s.num_waiting_tokens if s else 0, s.kv_blocks_used if s else 0, self.index)
+    @property
+    def occupancy(self) -> int:
+        """Requests on the worker: this router's, plus others' as of the last stats."""
+        others = self.stats.num_requests - self.in_flight_at_poll if self.stats else 0
+        return self.in_flight + max(0, others)
+
+    @property
+    def has_room(self) -> bool:
+        limit = self.stats.max_num_requests if self.stats else 0
+        return not limit or self.occupancy < limit
 
 
 class WorkerPool:
-    def __init__(self, prefill: list[str], decode: list[str], policy: str = "least_loaded",
-                 health_interval_s: float = 1.0) -> None:
-        self.workers = [WorkerClient(a, "prefill", i) for i, a in enumerate(prefill)]
-        self.workers += [WorkerClient(a, "decode", i) for i, a in enumerate(decode)]
-        self.policy = policy
+    def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0) -> None:
+        self.workers = [WorkerClient(a, "prefill") for a in prefill] + [WorkerClient(a, "decode") for a in decode]
         self.health_interval_s = health_interval_s
-        self._round_robin = {"prefill": itertools.count(), "decode": itertools.count()}
+        self.on_change: list[Callable[[], None]] = []
+        """Called after any change of health, load or membership (wakes admission waiters)."""
+        self.on_add: list[Callable[[WorkerClient], None]] = []
+        self.on_remove: list[Callable[[WorkerClient], None]] = []
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
         for w in self.workers:
-            w.channel = insecure_channel(w.address)
-            w.stub = worker_pb2_grpc.WorkerStub(w.channel)
+            self._connect(w)
         await self.check_all()
         self._task = asyncio.create_task(self._poll_forever())
 
     async def close(self) -> None:
         if self._task:
             self._task.cancel()
-        for w in self.workers:
-            if w.channel is not None:
-                await w.channel.close()
+        for w in list(self.workers):
+            await self.remove(w.address)
+
+    def get(self, address: str) -> WorkerClient | None:
+        return next((w for w in self.workers if w.address == address), None)
+
+    async def add(self, address: str, role: str) -> WorkerClient:
+        """A worker joins (from the registry): connect, check, start its KV event feed."""
+        worker = self.get(address)
+        if worker is not None:
+            return worker
+        worker = WorkerClient(address, role)
+        self._connect(worker)
+        self.workers.append(worker)
+        logger.info("%s worker %s joined", role, address)
+        await self.check(worker)
+        return worker
+
+    async def remove(self, address: str) -> None:
+        worker = self.get(address)
+        if worker is None:
+            return
+        self.workers.remove(worker)
+        worker.healthy = False
+        for callback in self.on_remove:
+            callback(worker)
+        if worker.channel is not None:
+            await worker.channel.close()
+        self.changed()
+
+    def changed(self) -> None:
+        for callback in self.on_change:
+            callback()
 
     def has_role(self, role: str) -> bool:
         return any(w.role == role for w in self.workers)
 
-    def pick(self, role: str, exclude: tuple[WorkerClient, ...] = ()) -> WorkerClient | None:
-        """A healthy worker of this role, or None."""
-        candidates = [w for w in self.workers if w.role == role and w.healthy and w not in exclude]
-        if not candidates:
-            return None
-        if self.policy == "round_robin":
-            return candidates[next(self._round_robin[role]) % len(candidates)]
-        return min(candidates, key=WorkerClient.load)
+    def healthy(self, role: str) -> list[WorkerClient]:
+        return [w for w in self.workers if w.role == role and w.healthy]
+
+    def _connect(self, worker: WorkerClient) -> None:
+        worker.channel = insecure_channel(worker.address)
+        worker.stub = worker_pb2_grpc.WorkerStub(worker.channel)
+        for callback in self.on_add:
+            callback(worker)
 
     def mark_failed(self, worker: WorkerClient, error: str) -> None:
         if worker.healthy:
@@ -100,6 +141,10 @@ class WorkerPool:
         return True
 
     async def check(self, worker: WorkerClient) -> None:
+        await self._check(worker)
+        self.changed()
+
+    async def _check(self, worker: WorkerClient) -> None:
         try:
             stats = await worker.stub.GetStats(worker_pb2.StatsRequest(),
                                                timeout=max(2.0, 2 * self.health_interval_s))
@@ -117,10 +162,12 @@ class WorkerPool:
         if stats.draining:
             self.mark_failed(worker, "draining")
             worker.stats = stats
+            worker.in_flight_at_poll = worker.in_flight
             return
         if not worker.healthy:
             logger.info("%s worker %s in rotation", worker.role, worker.address)
         worker.stats = stats
+        worker.in_flight_at_poll = worker.in_flight
         worker.healthy = True
 
     async def _poll_forever(self) -> None:

@@ -31,18 +31,29 @@ class WorkerConfig:
     """torch intra-op threads; 0 keeps torch's default."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight requests may take to finish before the process exits."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics at http://HOST:PORT/metrics (None: no metrics server; 0: any free port)."""
+    redis_url: str | None = None
+    """Register in this Redis (heartbeat with a TTL) and publish KV events to it, so routers
+    sharing it discover this worker; without it routers are given the address."""
+    registry_ttl_s: float = 3.0
+    """Lifetime of the registration; renewed every third of it."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        for name in ("lease_s", "pull_timeout_s", "drain_timeout_s"):
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+        for name in ("lease_s", "pull_timeout_s", "drain_timeout_s", "registry_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.pull_timeout_s >= self.lease_s:
             raise ValueError("pull_timeout_s must be shorter than lease_s")
         if self.max_num_requests < 1:
             raise ValueError("max_num_requests must be >= 1")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0")

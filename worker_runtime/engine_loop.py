@@ -37,8 +37,14 @@ class EngineLoop(threading.Thread):
         self._sinks: dict[str, Sink] = {}
         self._stopping = threading.Event()
         self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.observe_transfer_s: Callable[[float], None] = lambda seconds: None
+        """Called with the duration of every finished KV transfer (metrics hook; engine thread)."""
         self.stats: dict[str, int] = {}
         """Snapshot refreshed after every iteration; safe to read from any thread."""
+        self.kv_events = None
+        """A KvEventLog, flushed after every iteration, when routers index this worker."""
 
     # ---- called from the asyncio side -----------------------------------
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
@@ -68,8 +74,11 @@ class EngineLoop(threading.Thread):
                 self.poll()
                 if self.engine.has_unfinished():
                     for delta in self.engine.step():
+                        self.generation_tokens_total += len(delta.token_ids)
                         self.on_delta(delta)
                 self._snapshot()
+                if self.kv_events is not None:
+                    self.kv_events.flush()
             except Exception:  # keep serving: one bad step must not kill the worker silently
                 logger.exception("engine loop iteration failed")
                 self._fail_all(RuntimeError("engine step failed; see the worker log"))
@@ -104,6 +113,10 @@ class EngineLoop(threading.Thread):
     def add_sink(self, request_id: str, sink: Sink) -> None:
         self._sinks[request_id] = sink
 
+    def count_request(self, num_prompt_tokens: int) -> None:
+        self.requests_total += 1
+        self.prompt_tokens_total += num_prompt_tokens
+
     def num_requests(self) -> int:
         """Requests this worker holds anything for (engine queue, running batch, transfers)."""
         return len(self.engine.scheduler.requests)
@@ -118,7 +131,11 @@ class EngineLoop(threading.Thread):
                  "num_requests": self.num_requests(),
                  "num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
                  "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
-                 "num_preemptions": scheduler.num_preemptions, "requests_total": self.requests_total}
+                 "num_preemptions": scheduler.num_preemptions, "requests_total": self.requests_total,
+                 "prompt_tokens_total": self.prompt_tokens_total,
+                 "generation_tokens_total": self.generation_tokens_total,
+                 "prefix_cache_queries": self.engine.kv.num_prefix_queries,
+                 "prefix_cache_hits": self.engine.kv.num_prefix_hits}
         stats.update(self.extra_stats())
         self.stats = stats
 

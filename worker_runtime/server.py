@@ -20,6 +20,8 @@ from pdserve.grpc_common import add_health_and_reflection, new_server, run_until
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
+from worker_runtime.kv_event_log import KvEventLog
+from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ class WorkerServer:
         self._server = None
         self._health = None
         self._servicer: WorkerServicer | None = None
+        self._metrics: WorkerMetrics | None = None
+        self.metrics_port: int | None = None
+        self._presence = None
 
     async def start(self) -> str:
         """Load the model, open the KV transfer side, serve; returns host:port."""
@@ -53,20 +58,29 @@ class WorkerServer:
             self._transfer_side = await aio.run_in_executor(None, make_receiver, kv_cache, layout,
                                                             config.kv_transfer)
             self._loop_thread = DecodeLoop(self.engine, aio, self._transfer_side, config.pull_timeout_s)
+        kv_events = self._loop_thread.kv_events = KvEventLog(self.engine, aio)
         self._loop_thread.start()
         self._server = new_server()
         port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
-        self.address = f"{_advertised_host(config)}:{port}"
+        self.address = kv_events.worker = f"{_advertised_host(config)}:{port}"
         self._servicer = WorkerServicer(config, self._loop_thread, self.address,
                                         getattr(self._transfer_side, "backend_name", ""))
         worker_pb2_grpc.add_WorkerServicer_to_server(self._servicer, self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
+        if config.metrics_port is not None:
+            self._metrics = WorkerMetrics(self._loop_thread, config.role, self.address)
+            self.metrics_port = self._metrics.serve(config.host, config.metrics_port)
         await self._server.start()
         await set_serving(self._health, [SERVICE], True)
-        logger.info("%s worker serving at %s (kv_transfer %s)", config.role, self.address,
-                    self._servicer.backend)
+        if config.redis_url:
+            from worker_runtime.redis_presence import RedisPresence
+            self._presence = RedisPresence(config.redis_url, self.address, config.role, kv_events,
+                                           config.registry_ttl_s)
+            await self._presence.start()
+        logger.info("%s worker serving at %s (kv_transfer %s, metrics port %s)", config.role, self.address,
+                    self._servicer.backend, self.metrics_port)
         return self.address
 
     async def drain(self, timeout_s: float | None = None) -> None:
@@ -76,12 +90,19 @@ class WorkerServer:
             return
         self._servicer.draining = True
         await set_serving(self._health, [SERVICE], False)
+        await self._leave_registry()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and (self._servicer.in_flight
                                                or self._loop_thread.stats.get("num_requests", 0)):
             await asyncio.sleep(0.05)
 
+    async def _leave_registry(self) -> None:
+        if self._presence is not None:
+            presence, self._presence = self._presence, None
+            await presence.stop()
+
     async def stop(self, grace_s: float = 1.0) -> None:
+        await self._leave_registry()
         if self._server is not None:
             await self._server.stop(grace_s)
         if self._loop_thread is not None:
@@ -89,6 +110,8 @@ class WorkerServer:
             self._loop_thread.join(timeout=10)
         if self._transfer_side is not None:
             self._transfer_side.close()
+        if self._metrics is not None:
+            self._metrics.close()
 
 
 def _advertised_host(config: WorkerConfig) -> str:

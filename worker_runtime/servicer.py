@@ -103,7 +103,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stats = dict(self.loop.stats)
         fields = set(worker_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
         return worker_pb2.WorkerStats(role=self.config.role, kv_transfer_backend=self.backend, draining=self.draining,
+                                      max_num_requests=self.config.max_num_requests,
+                                      block_size=self.config.engine.cache.block_size,
                                       **{k: v for k, v in stats.items() if k in fields})
+
+    async def SubscribeKvEvents(self, request, context):
+        log = self.loop.kv_events
+        queue = log.subscribe()
+        try:
+            snapshot = await self.loop.call(log.snapshot_now)
+            yield snapshot
+            while (batch := await queue.get()) is not None:
+                if batch.seq > snapshot.seq:
+                    yield batch
+        finally:
+            log.unsubscribe(queue)
+
+    async def GetKvSnapshot(self, request, context):
+        return await self.loop.call(self.loop.kv_events.snapshot_now)
 
     # ---- helpers --------------------------------------------------------------
     def _admitted(self, context):

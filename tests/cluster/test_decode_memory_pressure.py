@@ -18,7 +18,8 @@ def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, sm
     # ~13 blocks of 16 tokens: room for about two of these requests at their full length; requests
     # that find no blocks for their pull within 1 s recompute their prompt here instead
     decode = start_worker("decode", "--kv-cache-memory-gib", "0.009", "--pull-timeout-s", "1")
-    router = start_router([prefill], [decode])
+    # Remote prefill even for these ~20-token prompts (by default the decode worker would prefill them itself).
+    router = start_router([prefill], [decode], "--skip-prefill-tokens", "0")
     try:
         async def run_all():
             async with insecure_channel(router.address) as channel:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +48,10 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
                 break
             assert time.monotonic() < deadline, (used, held)
             time.sleep(0.3)
+        # Each worker serves its own metrics; decode generated b's 7 tokens after the first at least.
+        worker_metrics = dict(re.findall(r"(prefill|decode) worker metrics at (\S+)", "".join(proc.output)))
+        assert metric_value(worker_metrics["decode"], "pdserve:generation_tokens_total", role="decode") >= 7
+        assert metric_value(worker_metrics["prefill"], "pdserve:prompt_tokens_total", role="prefill") > 0
     finally:
         code = proc.stop(signal.SIGINT, timeout=60)
     assert code == 0, "".join(proc.output[-30:])

@@ -190,3 +190,30 @@ def test_disabled_prefix_caching_never_hits():
     kv.free("a")
     assert kv.find_prefix("b", list(range(9))).block_ids == []
     assert kv.pool.num_cached_blocks == 0
+
+
+def test_prefix_cache_events_follow_store_evict_and_clear():
+    from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+    kv = KVCacheManager(4, BS)
+    kv.pool.events = []
+    a = list(range(8))
+    h0, h1 = hash_full_blocks(a, BS)
+    kv.allocate_slots("a", 0, 8)
+    kv.cache_computed_blocks("a", a, 8)
+    assert kv.pool.events == [BlockStored(h0, NO_PARENT), BlockStored(h1, h0)]
+    # The same prefix again: already cached, no event.
+    kv.allocate_slots("b", 0, 8)
+    kv.cache_computed_blocks("b", a, 8)
+    assert len(kv.pool.events) == 2
+    kv.free("a")
+    kv.free("b")
+    assert sorted(kv.pool.cached_hashes()) == sorted([h0, h1])
+    # Three new blocks: the fourth takes cached block 1 (h1) -> its hash leaves the cache.
+    kv.pool.events.clear()
+    kv.allocate_slots("x", 0, 12)
+    assert kv.pool.events == [BlockRemoved(h1)]
+    assert kv.pool.cached_hashes() == [h0]
+    kv.free("x")
+    kv.pool.events.clear()
+    assert kv.pool.reset_prefix_cache()
+    assert kv.pool.events == [AllCleared()] and kv.pool.cached_hashes() == []

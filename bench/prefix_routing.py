@@ -1,0 +1,165 @@
+"""Prefix-aware routing vs round_robin vs random on a prefix-sharing workload.
+
+For each policy, a fresh cluster of real processes (so no policy inherits a
+warm cache): 2 `pdserve prefill-worker`s and 1 `pdserve decode-worker`
+(--num-threads 1 each) behind `pdserve router --routing-policy P`.
+
+Workload (same seed, same prompts, same arrival times for every policy):
+--num-system-prompts system prompts of --system-len random token ids; each
+request is one of them (uniformly at random) plus its own --suffix-len random
+tokens, --output-len tokens out (greedy, ignore_eos), Poisson arrivals at
+--request-rate per second. Every prefill worker's KV cache holds
+--kv-prompts-per-worker system prompts (default 4.5: room for the half of the
+prompts prefix routing sends each worker, not for all of them), so where a
+prompt goes decides whether its prefill is a cache hit. Remote prefill is
+always used (--skip-prefill-tokens 0), so the decode worker's own cache does
+not hide the prefill routing.
+
+Measured at the client: TTFT = send -> first token; prefix hit rate = cached
+prompt tokens / prompt tokens (usage.cached_tokens: what the prefill engine
+actually reused). The router's own view (KV index) is reported too:
+router_prefix_hit_blocks_total / router_prefix_query_blocks_total.
+
+  PYTHONPATH=. .venv/bin/python bench/prefix_routing.py [--request-rate 2.5]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+from bench.disagg_vs_colocated import arrival_offsets, cpu_model, pct  # noqa: E402
+from pdserve.grpc_common import insecure_channel  # noqa: E402
+from pdserve.protocol import generate_pb2, generate_pb2_grpc  # noqa: E402
+from tests.cluster.harness import free_port, metric_value, start  # noqa: E402
+
+POLICIES = ("prefix", "round_robin", "random")
+BLOCK_BYTES_BF16 = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2: layers x K/V x block x KV heads x head dim x 2 bytes
+
+
+def make_workload(args) -> tuple[list[list[int]], list[int], list[float]]:
+    rng = random.Random(args.seed)
+    systems = [[1000 + s] + [rng.randrange(1000, 40000) for _ in range(args.system_len - 1)]
+               for s in range(args.num_system_prompts)]
+    choice = [rng.randrange(args.num_system_prompts) for _ in range(args.num_prompts)]
+    prompts = [systems[c] + [rng.randrange(1000, 40000) for _ in range(args.suffix_len)] for c in choice]
+    return prompts, choice, arrival_offsets(args.num_prompts, args.request_rate, args.seed)
+
+
+async def one_request(stub, rid: str, prompt: list[int], output_len: int) -> dict:
+    req = generate_pb2.GenerateRequest(
+        request_id=rid, tokens=generate_pb2.TokenIds(ids=prompt),
+        params=generate_pb2.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    sent = time.perf_counter()
+    ttft, cached, ok = None, 0, False
+    try:
+        async for msg in stub.Generate(req):
+            if msg.HasField("chunk"):
+                if ttft is None and msg.chunk.token_ids:
+                    ttft = time.perf_counter() - sent
+            else:
+                ok, cached = True, msg.complete.usage.cached_tokens
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result
+        return {"ok": False, "error": repr(exc)[:200]}
+    return {"ok": ok, "ttft": ttft, "cached": cached, "prompt": len(prompt), "e2e": time.perf_counter() - sent}
+
+
+async def run_workload(address: str, prompts, offsets, output_len: int) -> list[dict]:
+    async with insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        t0 = time.perf_counter()
+
+        async def at(i: int) -> dict:
+            await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+            return await one_request(stub, f"r{i}", prompts[i], output_len)
+
+        return list(await asyncio.gather(*(at(i) for i in range(len(prompts)))))
+
+
+def run_policy(policy: str, args, prompts, offsets) -> dict:
+    blocks_per_prompt = -(-(args.system_len + args.suffix_len) // 16)
+    kv_gib = args.kv_prompts_per_worker * blocks_per_prompt * BLOCK_BYTES_BF16 / 2**30
+    flags = ["--model", args.model, "--dtype", "bfloat16", "--port", "0", "--num-threads", "1"]
+    procs = []
+    try:
+        for role in ("prefill", "prefill"):
+            procs.append(start(role, [f"{role}-worker", *flags, "--kv-cache-memory-gib", f"{kv_gib:.4f}"]))
+        procs.append(start("decode", ["decode-worker", *flags, "--kv-cache-memory-gib", "1.0"]))
+        metrics_port = free_port()
+        router = start("router", ["router", "--port", "0", "--model", args.model, "--routing-policy", policy,
+                                  "--skip-prefill-tokens", "0", "--metrics-port", str(metrics_port),
+                                  "--prefill-workers", f"{procs[0].address},{procs[1].address}",
+                                  "--decode-workers", procs[2].address])
+        procs.append(router)
+        results = asyncio.run(run_workload(router.address, prompts, offsets, args.output_len))
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        query = metric_value(url, "pdserve:router_prefix_query_blocks_total") or 0
+        hit = metric_value(url, "pdserve:router_prefix_hit_blocks_total") or 0
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["ttft"] for r in ok]
+    return {"ttft_mean_ms": float(np.mean(ttft)) * 1000, "ttft_p50_ms": pct(ttft, 50),
+            "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+            "e2e_p50_ms": pct([r["e2e"] for r in ok], 50),
+            "prefix_hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
+            "router_index_hit_rate": hit / query if query else 0.0,
+            "completed": len(ok), "failed": len(results) - len(ok), "kv_gib_per_prefill_worker": kv_gib,
+            "errors": sorted({r["error"] for r in results if "error" in r})[:5]}
+
+
+ROWS = [("TTFT mean ms", "ttft_mean_ms", ".0f"), ("TTFT p50 ms", "ttft_p50_ms", ".0f"),
+        ("TTFT p90 ms", "ttft_p90_ms", ".0f"), ("TTFT p99 ms", "ttft_p99_ms", ".0f"),
+        ("E2E p50 ms", "e2e_p50_ms", ".0f"), ("prefix hit rate (engine)", "prefix_hit_rate", ".1%"),
+        ("prefix hit rate (router index)", "router_index_hit_rate", ".1%")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--num-system-prompts", type=int, default=8)
+    ap.add_argument("--system-len", type=int, default=1000)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--num-prompts", type=int, default=160)
+    ap.add_argument("--request-rate", type=float, default=2.5)
+    ap.add_argument("--kv-prompts-per-worker", type=float, default=4.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output", default="bench/results/prefix_routing.json")
+    args = ap.parse_args()
+    prompts, _, offsets = make_workload(args)
+    results = {}
+    for policy in args.policies.split(","):
+        print(f"== {policy}", flush=True)
+        results[policy] = run_policy(policy, args, prompts, offsets)
+    names = list(results)
+    print(f"\n| metric | {' | '.join(names)} |")
+    print(f"|---|{'---:|' * len(names)}")
+    for label, key, fmt in ROWS:
+        print(f"| {label} | {' | '.join(format(results[n][key], fmt) for n in names)} |")
+    done = [f"{r['completed']}/{r['failed']}" for r in results.values()]
+    print(f"| completed/failed | {' | '.join(done)} |")
+    if "prefix" in results and "round_robin" in results:
+        print(f"\nTTFT p50: round_robin / prefix = "
+              f"{results['round_robin']['ttft_p50_ms'] / results['prefix']['ttft_p50_ms']:.2f}x")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps({"settings": vars(args), "cpu": cpu_model(), "nproc": os.cpu_count(),
+                                             "results": results}, indent=2))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

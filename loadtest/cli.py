@@ -1,0 +1,102 @@
+"""`pdserve loadtest`: its flags, their mapping onto LoadTestConfig, and the command itself."""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from loadtest.config import DatasetConfig, LoadTestConfig, parse_slos
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="host:port of the router")
+    p.add_argument("--dataset", default="random", help="random | prefix | sharegpt:FILE")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument("--duration-s", type=float, default=None, help="no new request after this many seconds")
+    p.add_argument("--request-timeout-s", type=float, default=None)
+    p.add_argument("--goodput", nargs="+", metavar="METRIC:MS",
+                   help="SLOs, e.g. --goodput ttft:200 tpot:50 (metrics: ttft, tpot, e2el)")
+    p.add_argument("--sweep", default=None, metavar="R1,R2,...",
+                   help="run once per request rate; report the highest with >= 90%% SLO attainment")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="default", help="tokenizer for sharegpt texts")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=32)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--prefix-num-prefixes", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=128)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--prefix-output-len", type=int, default=32)
+    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--output", default=None, help="JSON result file")
+    p.add_argument("--save-requests", default=None, metavar="FILE.jsonl", help="per-request detail")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+    dataset = DatasetConfig.from_spec(
+        args.dataset, random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, prefix_num_prefixes=args.prefix_num_prefixes,
+        prefix_len=args.prefix_len, suffix_len=args.suffix_len, prefix_output_len=args.prefix_output_len,
+        sharegpt_output_len=args.sharegpt_output_len, model=args.model)
+    return LoadTestConfig(url=args.url, dataset=dataset, num_prompts=args.num_prompts,
+                          request_rate=args.request_rate, burstiness=args.burstiness,
+                          max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
+                          duration_s=args.duration_s, request_timeout_s=args.request_timeout_s,
+                          slos=parse_slos(args.goodput), seed=args.seed, progress=not args.no_progress)
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep {text!r}: expected comma-separated rates, e.g. 1,2,4") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError("--sweep: rates must be > 0")
+    return rates
+
+
+def run_command(args: argparse.Namespace, config: LoadTestConfig) -> int:
+    """Run (or sweep), print the table(s), write the files asked for. Exit 1 if every request failed."""
+    from loadtest import plots, report
+    from loadtest.runner import run
+    from loadtest.sweep import ATTAINMENT_TARGET, sweep
+
+    plot_dir = Path(args.plot_dir) if args.plot_dir else None
+    if plot_dir:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        results, best = sweep(config, parse_rates(args.sweep), lambda r: print(report.table(r.summary), flush=True))
+        runs = [r.summary for r in results]
+        print(report.sweep_table(runs, ATTAINMENT_TARGET, best))
+        data = {"runs": runs, "slo_attainment_target": ATTAINMENT_TARGET, "goodput_request_rate": best}
+        records = [(r.summary["request_rate"], r.records) for r in results]
+        if plot_dir:
+            plots.plot_attainment(runs, plot_dir / "attainment_vs_rate.png", ATTAINMENT_TARGET)
+    else:
+        result = run(config)
+        print(report.table(result.summary))
+        data, runs = result.summary, [result.summary]
+        records = [(config.request_rate, result.records)]
+    if plot_dir:
+        plots.plot_cdfs([rec for _, rs in records for rec in rs], plot_dir / "latency_cdf.png", config.slos)
+    if args.output:
+        report.write_json(args.output, data)
+    if args.save_requests:
+        report.write_jsonl(args.save_requests, records)
+    return 1 if all(r["completed"] == 0 for r in runs) else 0
+
+
+def prepare(args: argparse.Namespace):
+    """Validate the flags (ValueError names the bad one); return the command to run."""
+    config = config_from_args(args)
+    if args.sweep:
+        parse_rates(args.sweep)
+        if not config.slos:
+            raise ValueError("--sweep needs SLOs: --goodput ttft:MS tpot:MS ...")
+    return lambda: run_command(args, config)

@@ -1,0 +1,124 @@
+"""Settings of one load test, validated on construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+DATASETS = ("random", "prefix", "sharegpt")
+
+
+def parse_slos(items: list[str] | None) -> dict[str, float]:
+    """`["ttft:200", "tpot:50"]` -> {"ttft": 200.0, "tpot": 50.0} (milliseconds, as `vllm bench serve --goodput`)."""
+    slos: dict[str, float] = {}
+    for item in items or []:
+        name, sep, value = item.partition(":")
+        if not sep:
+            raise ValueError(f"--goodput {item!r}: expected METRIC:MS, e.g. ttft:200")
+        try:
+            slos[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+    return slos
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "random"
+    """"random", "prefix" or "sharegpt"."""
+    path: str | None = None
+    """sharegpt: the ShareGPT-format JSON file."""
+    random_input_len: int = 256
+    """random: prompt tokens (before the range ratio)."""
+    random_output_len: int = 32
+    """random: output tokens (before the range ratio)."""
+    random_range_ratio: float = 0.0
+    """random: lengths are drawn uniformly from [len * (1 - r), len * (1 + r)]."""
+    prefix_num_prefixes: int = 4
+    """prefix: how many distinct shared prefixes."""
+    prefix_len: int = 128
+    """prefix: tokens of each shared prefix."""
+    suffix_len: int = 32
+    """prefix: unique tokens after the prefix."""
+    prefix_output_len: int = 32
+    """prefix: output tokens."""
+    sharegpt_output_len: int | None = None
+    """sharegpt: fixed output length (default: the length of the recorded reply)."""
+    vocab_size: int = 49152
+    """random/prefix: token ids are drawn from [100, vocab_size)."""
+    model: str = "default"
+    """sharegpt: checkpoint whose tokenizer measures the texts ('default': the bundled SmolLM2)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASETS:
+            raise ValueError(f"dataset must be random, prefix or sharegpt:FILE, got {self.name!r}")
+        if self.name == "sharegpt" and not self.path:
+            raise ValueError("dataset sharegpt needs a file: --dataset sharegpt:FILE")
+        for name in ("random_input_len", "random_output_len", "prefix_len", "prefix_output_len",
+                     "prefix_num_prefixes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.suffix_len < 0:
+            raise ValueError("suffix_len must be >= 0")
+        if not 0.0 <= self.random_range_ratio < 1.0:
+            raise ValueError("random_range_ratio must be in [0, 1)")
+        if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
+            raise ValueError("sharegpt_output_len must be >= 1")
+        if self.vocab_size <= 100:
+            raise ValueError("vocab_size must be > 100")
+
+    @classmethod
+    def from_spec(cls, spec: str, **kwargs) -> "DatasetConfig":
+        """`random`, `prefix` or `sharegpt:FILE`."""
+        name, _, path = spec.partition(":")
+        return cls(name=name, path=path or None, **kwargs)
+
+
+@dataclass
+class LoadTestConfig:
+    url: str
+    """host:port of the router's Generation service."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    num_prompts: int = 100
+    """Requests measured (warm-up requests come on top)."""
+    request_rate: float = math.inf
+    """Mean arrivals per second; inf sends every request at once."""
+    burstiness: float = 1.0
+    """Gamma shape of the inter-arrival times: 1 is Poisson, < 1 burstier, > 1 more regular."""
+    max_concurrency: int | None = None
+    """Requests in flight at most (arrivals wait for a free slot); None: unbounded."""
+    num_warmups: int = 0
+    """Requests sent (and awaited) before measuring; excluded from the results."""
+    duration_s: float | None = None
+    """Time bound: no new request starts after this many seconds (in-flight ones finish)."""
+    request_timeout_s: float | None = None
+    """Per-request gRPC deadline; an expired one counts as failed (DEADLINE_EXCEEDED)."""
+    slos: dict[str, float] = field(default_factory=dict)
+    """SLOs in ms, keyed by ttft, tpot or e2el; a request is good when it meets all of them."""
+    seed: int = 0
+    """Seeds the dataset and the arrival times."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+
+    def __post_init__(self) -> None:
+        if not self.url or ":" not in self.url:
+            raise ValueError(f"url must be HOST:PORT, got {self.url!r}")
+        if self.num_prompts < 1:
+            raise ValueError("num_prompts must be >= 1")
+        if not self.request_rate > 0:
+            raise ValueError("request_rate must be > 0 (inf: all at once)")
+        if not self.burstiness > 0:
+            raise ValueError("burstiness must be > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        if self.num_warmups < 0:
+            raise ValueError("num_warmups must be >= 0")
+        for name in ("duration_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0")
+        for key, value in self.slos.items():
+            if key not in SLO_METRICS:
+                raise ValueError(f"unknown SLO metric {key!r}: use {', '.join(SLO_METRICS)}")
+            if not value > 0:
+                raise ValueError(f"SLO {key} must be > 0 ms")

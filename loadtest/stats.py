@@ -1,0 +1,127 @@
+"""Per-request timings and the run's summary (pure Python).
+
+Definitions (vLLM `vllm bench serve`, all client-side):
+  TTFT  send -> first chunk carrying tokens
+  ITL   every gap between consecutive chunks of a request, pooled over requests
+  TPOT  (E2EL - TTFT) / (output_tokens - 1), per request with >= 2 output tokens
+  E2EL  send -> end of the stream
+A request is good when it succeeded and meets every SLO; attainment = good /
+(completed + failed); request_goodput = good / duration.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+PERCENTILES = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times in seconds, perf_counter clock)."""
+
+    index: int
+    prompt_len: int
+    scheduled_time: float = 0.0
+    """When the arrival process meant to send it (before waiting for a concurrency slot)."""
+    send_time: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    end_time: float = 0.0
+    output_tokens: int = 0
+    status: str = "OK"
+    """gRPC status code name; "OK" for a request that completed."""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK"
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.send_time if self.chunk_times else None
+
+    @property
+    def e2el(self) -> float:
+        return self.end_time - self.send_time
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2 or self.ttft is None:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "status": self.status, "error": self.error, "prompt_len": self.prompt_len,
+                "output_len": self.output_tokens, "ttft_ms": _ms(self.ttft), "tpot_ms": _ms(self.tpot),
+                "e2el_ms": _ms(self.e2el) if self.ok else None, "itls_ms": [_ms(x) for x in self.itls],
+                "start_time": self.send_time, "send_lag_ms": _ms(self.send_time - self.scheduled_time)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    k = (len(xs) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def describe(values_ms: list[float], name: str) -> dict[str, float]:
+    """mean_/median_/std_/p50_/p90_/p99_{name}_ms (0 for an empty list, as vLLM)."""
+    n = len(values_ms)
+    mean = sum(values_ms) / n if n else 0.0
+    std = math.sqrt(sum((v - mean) ** 2 for v in values_ms) / n) if n else 0.0
+    out = {f"mean_{name}_ms": mean, f"median_{name}_ms": percentile(values_ms, 50), f"std_{name}_ms": std}
+    out.update({f"p{p}_{name}_ms": percentile(values_ms, p) for p in PERCENTILES})
+    return out
+
+
+def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
+    if not record.ok:
+        return False
+    values = {"ttft": record.ttft, "tpot": record.tpot, "e2el": record.e2el}
+    return all(values[k] is None or values[k] * 1000.0 <= limit for k, limit in slos_ms.items())
+
+
+def metric_values_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """Each metric's samples in ms over the completed requests (ITL pooled)."""
+    done = [r for r in records if r.ok]
+    return {"ttft": [r.ttft * 1000.0 for r in done if r.ttft is not None],
+            "tpot": [r.tpot * 1000.0 for r in done if r.tpot is not None],
+            "itl": [x * 1000.0 for r in done for x in r.itls],
+            "e2el": [r.e2el * 1000.0 for r in done]}
+
+
+def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, float]) -> dict:
+    """The run's figures, named as `vllm bench serve` names them where the concept is the same."""
+    done = [r for r in records if r.ok]
+    total_in = sum(r.prompt_len for r in done)
+    total_out = sum(r.output_tokens for r in done)
+    duration = max(duration, 1e-9)
+    out: dict = {
+        "duration": duration, "completed": len(done), "failed": len(records) - len(done),
+        "failures_by_status": dict(Counter(r.status for r in records if not r.ok)),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+    }
+    for name, values in metric_values_ms(records).items():
+        out.update(describe(values, name))
+    if slos_ms:
+        good = sum(meets_slos(r, slos_ms) for r in records)
+        out.update({"slos_ms": dict(slos_ms), "good_requests": good,
+                    "slo_attainment": good / len(records) if records else 0.0,
+                    "request_goodput": good / duration})
+    return out

@@ -1,0 +1,103 @@
+"""Keeping the KV index fed: one task per worker reading its KV event batches.
+
+Two sources, one rule. Without Redis the router subscribes to each worker's
+`SubscribeKvEvents` stream (a snapshot, then every batch). With Redis it reads
+the worker's event stream there (`XREAD` after the last applied batch), so any
+number of routers read the same batches in the same order. Either way a batch
+that does not follow the last applied one (lost events, a restarted worker, a
+Redis that restarted empty) makes the feed resync: load a snapshot (the
+stream's first message, or `GetKvSnapshot`), then read on from its sequence
+number. While a source is unreachable the index keeps its last view.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdserve import redis_keys
+from pdserve.protocol import kv_events_from_proto, worker_pb2
+from router.kv_index import KvIndex
+from router.worker_pool import WorkerClient
+
+logger = logging.getLogger(__name__)
+RETRY_S = 0.5
+XREAD_BLOCK_MS = 1000
+
+
+class KvFeeds:
+    def __init__(self, index: KvIndex, redis=None) -> None:
+        self.index = index
+        self.redis = redis
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, worker: WorkerClient) -> None:
+        self.index.add_worker(worker.address)
+        run = self._from_redis if self.redis is not None else self._from_grpc
+        self._tasks[worker.address] = asyncio.get_running_loop().create_task(run(worker))
+
+    def stop(self, worker: WorkerClient) -> None:
+        task = self._tasks.pop(worker.address, None)
+        if task is not None:
+            task.cancel()
+        self.index.remove_worker(worker.address)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    def _load(self, snapshot: worker_pb2.KvEventBatch) -> None:
+        hashes = [e.stored.block_hash for e in snapshot.events]
+        self.index.load_snapshot(snapshot.worker or "", snapshot.seq, hashes, snapshot.epoch)
+
+    def _apply(self, address: str, batch: worker_pb2.KvEventBatch) -> bool:
+        ok = self.index.apply(address, batch.seq, kv_events_from_proto(batch.events), batch.epoch)
+        if not ok:
+            logger.info("KV events of %s: gap before batch %d; resyncing", address, batch.seq)
+        return ok
+
+    async def _from_grpc(self, worker: WorkerClient) -> None:
+        while True:
+            call = worker.stub.SubscribeKvEvents(worker_pb2.KvEventsRequest())
+            try:
+                async for batch in call:
+                    if batch.snapshot:
+                        batch.worker = worker.address
+                        self._load(batch)
+                    elif not self._apply(worker.address, batch):
+                        break  # resubscribe: the new stream starts with a snapshot
+            except grpc.aio.AioRpcError as exc:
+                logger.debug("KV events of %s: %s", worker.address, exc.code().name)
+                await asyncio.sleep(RETRY_S)
+            finally:
+                call.cancel()
+
+    async def _from_redis(self, worker: WorkerClient) -> None:
+        from redis.exceptions import RedisError
+        address = worker.address
+        stream = last_id = None
+        while True:
+            try:
+                if not self.index.is_synced(address):
+                    snapshot = await worker.stub.GetKvSnapshot(worker_pb2.KvEventsRequest(), timeout=10)
+                    snapshot.worker = address
+                    self._load(snapshot)
+                    stream = redis_keys.kv_events_key(address, snapshot.epoch)
+                    last_id = redis_keys.stream_id(snapshot.seq)
+                reply = await self.redis.xread({stream: last_id}, block=XREAD_BLOCK_MS, count=1024)
+                for _, entries in reply or []:
+                    for entry_id, fields in entries:
+                        batch = worker_pb2.KvEventBatch.FromString(fields[redis_keys.BATCH_FIELD])
+                        if not self._apply(address, batch):
+                            break
+                        last_id = entry_id
+            except grpc.aio.AioRpcError as exc:
+                logger.debug("KV snapshot of %s: %s", address, exc.code().name)
+                await asyncio.sleep(RETRY_S)
+            except (RedisError, OSError) as exc:
+                logger.debug("KV events of %s from redis: %s", address, exc)
+                await asyncio.sleep(RETRY_S)

@@ -1,0 +1,132 @@
+"""Choosing the workers of one sample: admission, the decode slot, remote prefill or not, prefill.
+
+`route` runs admission control: it waits (bounded queue) for a decode worker
+with room and reserves it, counting the sample on that worker until
+`release`. The decode choice also settles whether remote prefill is worth it:
+when the decode worker already holds all but `skip_prefill_tokens` of the
+prompt (its own prefix cache, as its KV events say), it prefills the rest
+itself. `pick_prefill` then chooses the prefill worker by the routing policy's
+cost (uncached prompt blocks, plus load).
+
+A prefill worker's cached blocks are what the KV index says it holds, or —
+when more — the prefix the prompt shares with a prompt this router is having
+it prefill right now: those blocks will be cached by the time this prompt's
+turn comes (its queue is FIFO), but no event can say so yet. Without this a
+burst of requests sharing a new system prompt would be sprayed over every
+worker before the first event arrives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_hash import hash_full_blocks
+from router.admission import AdmissionQueue, AdmissionRejected
+from router.kv_index import KvIndex
+from router.routing_policy import Candidate, RoutingPolicy
+from router.worker_pool import WorkerClient, WorkerPool
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class Route:
+    decode: WorkerClient
+    remote_prefill: bool
+    block_hashes: list[int]
+    decode_cached_blocks: int
+    queue_time_s: float = 0.0
+    prefill: WorkerClient | None = None
+    """Set once a prefill worker is chosen (the last one tried)."""
+
+
+class WorkerSelector:
+    def __init__(self, pool: WorkerPool, index: KvIndex, policy: RoutingPolicy, admission: AdmissionQueue,
+                 skip_prefill_tokens: int = 0, metrics=None) -> None:
+        self.pool = pool
+        self.index = index
+        self.policy = policy
+        self.admission = admission
+        self.skip_prefill_tokens = skip_prefill_tokens
+        self.metrics = metrics
+        pool.on_change.append(admission.poke)
+
+    @property
+    def block_size(self) -> int:
+        for w in self.pool.workers:
+            if w.stats is not None and w.stats.block_size:
+                return w.stats.block_size
+        return DEFAULT_BLOCK_SIZE
+
+    def block_hashes(self, prompt: list[int]) -> list[int]:
+        return hash_full_blocks(prompt, self.block_size)
+
+    async def route(self, prompt: list[int], block_hashes: list[int]) -> Route:
+        """Admit the sample and reserve its decode worker; raises AdmissionRejected."""
+        try:
+            route, waited = await self.admission.admit(lambda: self._reserve(prompt, block_hashes), self.release)
+        except AdmissionRejected as exc:
+            if self.metrics is not None:
+                self.metrics.observe_rejection(exc.reason)
+            raise
+        route.queue_time_s = waited
+        if self.metrics is not None:
+            self.metrics.observe_route(route, waited)
+        return route
+
+    def release(self, route: Route) -> None:
+        route.decode.in_flight -= 1
+        self.admission.poke()
+
+    def pick_prefill(self, prompt_len: int, block_hashes: list[int],
+                     exclude: tuple[WorkerClient, ...] = ()) -> tuple[WorkerClient, int] | None:
+        """(prefill worker, prompt blocks it already holds), or None when none is healthy."""
+        workers = [w for w in self.pool.healthy("prefill") if w not in exclude]
+        if not workers:
+            return None
+        roomy = [w for w in workers if w.has_room] or workers  # the worker itself refuses if really full
+        chosen = self.policy.pick_prefill(self._candidates(roomy, block_hashes, in_progress=True),
+                                          len(block_hashes))
+        worker = self.pool.get(chosen.address)
+        if self.metrics is not None:
+            self.metrics.observe_prefill(worker, len(block_hashes), chosen.cached_blocks)
+        return worker, chosen.cached_blocks
+
+    # ---- internals ------------------------------------------------------
+    def _reserve(self, prompt: list[int], block_hashes: list[int]) -> Route | None:
+        decode = [w for w in self.pool.healthy("decode") if w.has_room]
+        if not decode:
+            return None
+        if self.pool.has_role("prefill") and not any(w.has_room for w in self.pool.healthy("prefill")):
+            return None
+        chosen = self.policy.pick_decode(self._candidates(decode, block_hashes))
+        worker = self.pool.get(chosen.address)
+        worker.in_flight += 1
+        uncached = len(prompt) - chosen.cached_blocks * self.block_size
+        remote = self.pool.has_role("prefill") and uncached >= self.skip_prefill_tokens
+        return Route(worker, remote, block_hashes, chosen.cached_blocks)
+
+    def _candidates(self, workers: list[WorkerClient], block_hashes: list[int],
+                    in_progress: bool = False) -> list[Candidate]:
+        cached = (self.index.overlap(block_hashes, [w.address for w in workers])
+                  if self.policy.uses_prefix or self.skip_prefill_tokens else {})
+        out = []
+        block_size = self.block_size
+        for w in workers:
+            s = w.stats
+            queued = max(w.pending_tokens, s.num_waiting_tokens if s else 0)
+            held = cached.get(w.address, 0)
+            if in_progress and self.policy.uses_prefix:
+                held = max([held, *(_common_prefix(block_hashes, p) for p in w.pending_prompts.values())])
+            out.append(Candidate(w.address, queued_blocks=queued / block_size,
+                                 running=w.occupancy, kv_blocks_used=s.kv_blocks_used if s else 0,
+                                 kv_blocks_total=s.kv_blocks_total if s else 0, cached_blocks=held))
+        return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

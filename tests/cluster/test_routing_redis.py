@@ -1,0 +1,145 @@
+"""Routers sharing one real Redis: same view, same decisions; TTL registry; Redis restarts.
+
+Real processes throughout: redis-server, 2 prefill + 1 decode workers that
+register themselves in Redis (no addresses on any router's command line), and
+two routers reading the registry and the workers' KV event streams there.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from pdserve.client import build_request
+from tests.cluster.harness import assert_no_leaks, free_port, generation_stub, metric_value, start, start_worker
+from tests.redis_server import RedisServer
+
+TTL_S = 2.0
+rng = random.Random(7)
+SYSTEM_PROMPTS = [[rng.randrange(3, 49000) for _ in range(80)] for _ in range(4)]
+
+
+def suffix() -> list[int]:
+    return [rng.randrange(3, 49000) for _ in range(5)]
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_dir):
+    redis_server = RedisServer(free_port()).start()
+    registry = ["--redis-url", redis_server.url, "--registry-ttl-s", str(TTL_S)]
+    procs = []
+    try:
+        workers = [start_worker(role, *registry) for role in ("prefill", "prefill", "decode")]
+        procs += workers
+        routers = []
+        for name in ("a", "b"):
+            port = free_port()
+            router = start(f"router-{name}", ["router", "--port", "0", "--health-interval-s", "0.5",
+                                              "--skip-prefill-tokens", "0", "--metrics-port", str(port), *registry])
+            router.metrics_url = f"http://127.0.0.1:{port}/metrics"
+            routers.append(router)
+            procs.append(router)
+        for router in routers:
+            wait_for(lambda: all(healthy(router, w) for w in workers), 30)
+        yield {"redis": redis_server, "workers": workers, "routers": routers, "registry": registry}
+    finally:
+        for proc in procs:
+            proc.stop()
+        redis_server.stop()
+
+
+def wait_for(predicate, timeout: float) -> float:
+    start_time = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start_time > timeout:
+            raise AssertionError(f"not within {timeout} s")
+        time.sleep(0.1)
+    return time.monotonic() - start_time
+
+
+def healthy(router, worker) -> bool:
+    return metric_value(router.metrics_url, "pdserve:worker_healthy", worker=worker.address) == 1.0
+
+
+def generate(router, token_ids: list[int]) -> dict:
+    """Run one request; its prefill and decode workers (trailing metadata) and cached tokens."""
+    call = generation_stub(router.address).Generate(
+        build_request(f"r{rng.random()}", SamplingParams(max_tokens=2, temperature=0.0), token_ids=token_ids),
+        timeout=60)
+    messages = list(call)
+    meta = dict(call.trailing_metadata())
+    complete = messages[-1].complete
+    return {"prefill": meta["pdserve-prefill-worker"], "decode": meta["pdserve-decode-worker"],
+            "cached": complete.usage.cached_tokens}
+
+
+def test_two_routers_route_a_sequence_identically(cluster):
+    router_a, router_b = cluster["routers"]
+    # Each system prompt's requests alternate between the routers; after the first,
+    # every one lands on the prefill worker that holds the prompt, whichever router sends it.
+    placement = {}
+    for i in range(12):
+        p = i % 4
+        result = generate(router_a if i % 2 == 0 else router_b, SYSTEM_PROMPTS[p] + suffix())
+        if p in placement:
+            assert result["prefill"] == placement[p], f"request {i} (prompt {p}) left the worker holding it"
+            assert result["cached"] >= 80 // 16 * 16
+        placement[p] = result["prefill"]
+    assert len(set(placement.values())) == 2, "the four prompts spread over both prefill workers"
+    # The same new request, sent to each router: the same workers.
+    for p in range(4):
+        tail = suffix()
+        a, b = generate(router_a, SYSTEM_PROMPTS[p] + tail), generate(router_b, SYSTEM_PROMPTS[p] + tail)
+        assert (a["prefill"], a["decode"]) == (b["prefill"], b["decode"])
+    assert_no_leaks(cluster["workers"])
+
+
+def test_worker_joins_then_leaves_within_its_ttl_when_hung(cluster):
+    routers = cluster["routers"]
+    late = start_worker("prefill", *cluster["registry"])
+    try:
+        for router in routers:
+            wait_for(lambda: healthy(router, late), 10)
+        os.kill(late.popen.pid, signal.SIGSTOP)  # hung: no heartbeats, no answers
+        took = max(wait_for(lambda: metric_value(r.metrics_url, "pdserve:worker_healthy",
+                                                 worker=late.address) is None, TTL_S + 3) for r in routers)
+        assert took <= TTL_S + 3
+        for i in range(4):  # nothing is routed to the hung worker
+            assert generate(routers[i % 2], SYSTEM_PROMPTS[i] + suffix())["prefill"] != late.address
+        os.kill(late.popen.pid, signal.SIGCONT)
+        for router in routers:
+            wait_for(lambda: healthy(router, late), 10)
+    finally:
+        os.kill(late.popen.pid, signal.SIGCONT)
+        late.stop()
+    assert_no_leaks(cluster["workers"])
+
+
+def test_redis_restart_is_survived_and_routers_resync(cluster):
+    routers, workers, redis_server = cluster["routers"], cluster["workers"], cluster["redis"]
+    resyncs = [metric_value(r.metrics_url, "pdserve:kv_index_resyncs_total") for r in routers]
+    redis_server.stop()
+    # Serving on the last view: every worker stays in rotation, requests succeed.
+    new_prompt = [rng.randrange(3, 49000) for _ in range(80)]
+    for i in range(4):
+        generate(routers[i % 2], new_prompt + suffix())
+    time.sleep(TTL_S + 1)
+    assert all(healthy(r, w) for r in routers for w in workers)
+    redis_server.start()
+    # Workers re-register; the events lost meanwhile show up as gaps and the routers resync.
+    for router in routers:
+        wait_for(lambda: all(healthy(router, w) for w in workers), 10)
+    other_prompt = [rng.randrange(3, 49000) for _ in range(80)]
+    first = generate(routers[0], other_prompt + suffix())
+    wait_for(lambda: all(metric_value(r.metrics_url, "pdserve:kv_index_resyncs_total") > before
+                         for r, before in zip(routers, resyncs)), 15)
+    # And the shared view works again: the other router follows the placement.
+    time.sleep(0.5)
+    again = generate(routers[1], other_prompt + suffix())
+    assert again["prefill"] == first["prefill"] and again["cached"] >= 64
+    assert_no_leaks(workers)

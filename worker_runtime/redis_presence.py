@@ -1,0 +1,92 @@
+"""A worker's presence in Redis: registration with a TTL heartbeat, and its KV event stream.
+
+Every `ttl_s / 3` the worker writes its registry hash (role, address, epoch,
+event stream) and renews the key's TTL; when the process stops (or hangs) the
+key expires and routers drop the worker. Each KV event batch is appended to
+the worker's stream under id `<seq>-1`. If Redis is unreachable the worker
+keeps serving: batches written meanwhile are lost, which routers notice as a
+sequence gap and repair from a snapshot (GetKvSnapshot); the registration is
+rewritten by the next heartbeat once Redis is back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from pdserve import redis_keys
+from worker_runtime.kv_event_log import KvEventLog
+
+logger = logging.getLogger(__name__)
+STREAM_MAXLEN = 100_000
+
+
+class RedisPresence:
+    def __init__(self, url: str, address: str, role: str, log: KvEventLog, ttl_s: float) -> None:
+        self.address = address
+        self.role = role
+        self.log = log
+        self.ttl_s = ttl_s
+        self.redis = aioredis.from_url(url, socket_timeout=max(1.0, ttl_s / 3),
+                                       socket_connect_timeout=max(1.0, ttl_s / 3))
+        self._tasks: list[asyncio.Task] = []
+        self._redis_ok = True
+
+    async def start(self) -> None:
+        await self._register()  # fails loudly at start-up if Redis is unreachable
+        queue = self.log.subscribe()
+        self._tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._publish(queue))]
+
+    async def stop(self) -> None:
+        """Leave the registry at once (routers stop routing here) and close the connection."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.redis.delete(redis_keys.worker_key(self.address))
+        except RedisError:
+            pass
+        await self.redis.aclose()
+
+    async def _register(self) -> None:
+        key = redis_keys.worker_key(self.address)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={"role": self.role, "address": self.address, "epoch": self.log.epoch,
+                                    "events": redis_keys.kv_events_key(self.address, self.log.epoch)})
+            pipe.pexpire(key, int(self.ttl_s * 1000))
+            await pipe.execute()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                await self._register()
+                self._up()
+            except (RedisError, OSError) as exc:
+                self._down(exc)
+
+    async def _publish(self, queue: asyncio.Queue) -> None:
+        stream = redis_keys.kv_events_key(self.address, self.log.epoch)
+        while True:
+            batch = await queue.get()
+            if batch is None:  # fell behind: routers will see the gap and resync
+                queue = self.log.subscribe()
+                continue
+            try:
+                await self.redis.xadd(stream, {redis_keys.BATCH_FIELD: batch.SerializeToString()},
+                                      id=redis_keys.stream_id(batch.seq), maxlen=STREAM_MAXLEN, approximate=True)
+                self._up()
+            except (RedisError, OSError) as exc:
+                self._down(exc)
+
+    def _up(self) -> None:
+        if not self._redis_ok:
+            logger.warning("redis reachable again")
+        self._redis_ok = True
+
+    def _down(self, exc: Exception) -> None:
+        if self._redis_ok:
+            logger.warning("redis unreachable (%s); serving on, routers resync when it returns", exc)
+        self._redis_ok = False
