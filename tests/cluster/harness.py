@@ -116,3 +116,19 @@ def metric_value(url: str, name: str, **labels: str) -> float | None:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def generate_routed(router: Proc, token_ids: list[int], max_tokens: int = 4, request_id: str = "") -> dict:
+    """One greedy request; its tokens, cached tokens and the workers the router chose (trailing metadata)."""
+    import uuid
+
+    from engine.sampling_params import SamplingParams
+    from pdserve.client import build_request
+    call = generation_stub(router.address).Generate(
+        build_request(request_id or uuid.uuid4().hex, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                      token_ids=token_ids), timeout=120)
+    messages = list(call)
+    meta = dict(call.trailing_metadata())
+    return {"prefill": meta["pdserve-prefill-worker"], "decode": meta["pdserve-decode-worker"],
+            "cached": messages[-1].complete.usage.cached_tokens,
+            "tokens": [t for m in messages if m.HasField("chunk") for t in m.chunk.token_ids]}

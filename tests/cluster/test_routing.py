@@ -3,22 +3,10 @@ from __future__ import annotations
 
 import random
 
-from engine.sampling_params import SamplingParams
-from pdserve.client import build_request
-from tests.cluster.harness import assert_no_leaks, generation_stub, worker_stats
+from tests.cluster.harness import assert_no_leaks, worker_stats
+from tests.cluster.harness import generate_routed as generate
 
 rng = random.Random(11)
-
-
-def generate(router, token_ids: list[int]) -> dict:
-    call = generation_stub(router.address).Generate(
-        build_request(f"route-{rng.random()}", SamplingParams(max_tokens=4, temperature=0.0), token_ids=token_ids),
-        timeout=120)
-    messages = list(call)
-    meta = dict(call.trailing_metadata())
-    tokens = [t for m in messages if m.HasField("chunk") for t in m.chunk.token_ids]
-    return {"prefill": meta["pdserve-prefill-worker"], "decode": meta["pdserve-decode-worker"],
-            "cached": messages[-1].complete.usage.cached_tokens, "tokens": tokens}
 
 
 def test_prompts_sharing_a_prefix_go_where_it_is_cached(router_2p2d, workers):

@@ -11,12 +11,9 @@ import random
 import signal
 import time
 
-import grpc
 import pytest
 
-from engine.sampling_params import SamplingParams
-from pdserve.client import build_request
-from tests.cluster.harness import assert_no_leaks, free_port, generation_stub, metric_value, start, start_worker
+from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, metric_value, start, start_worker
 from tests.redis_server import RedisServer
 
 TTL_S = 2.0
@@ -67,15 +64,7 @@ def healthy(router, worker) -> bool:
 
 
 def generate(router, token_ids: list[int]) -> dict:
-    """Run one request; its prefill and decode workers (trailing metadata) and cached tokens."""
-    call = generation_stub(router.address).Generate(
-        build_request(f"r{rng.random()}", SamplingParams(max_tokens=2, temperature=0.0), token_ids=token_ids),
-        timeout=60)
-    messages = list(call)
-    meta = dict(call.trailing_metadata())
-    complete = messages[-1].complete
-    return {"prefill": meta["pdserve-prefill-worker"], "decode": meta["pdserve-decode-worker"],
-            "cached": complete.usage.cached_tokens}
+    return generate_routed(router, token_ids, max_tokens=2)
 
 
 def test_two_routers_route_a_sequence_identically(cluster):
