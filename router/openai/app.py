@@ -79,7 +79,8 @@ def create_app(runner: RequestRunner, model_name: str) -> FastAPI:
             return _failure(exc, body)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        stream = SseStream(api, want_logprobs, body.include_usage, body.requested_max_tokens or body.default_max_tokens)
+        last_at = body.requested_max_tokens or body.default_max_tokens
+        stream = SseStream(api, want_logprobs, body.include_usage, last_at)
         return StreamingResponse(_events(stream, first, responses, body), media_type="text/event-stream")
 
     return app

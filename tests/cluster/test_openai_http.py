@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
 import time
 import urllib.error
 import urllib.request
