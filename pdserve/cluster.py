@@ -55,6 +55,16 @@ class WorkerProcess:
         return self._server.address
 
 
+def actor_options(role: str, use_gpu: bool, cluster_resources: dict) -> dict:
+    """Ray placement of one worker actor: a GPU when workers run on CUDA, and the custom
+    resource `pdserve_<role>` when the cluster declares it (the Helm chart's KubeRay worker
+    groups do), so prefill actors land on prefill pods and decode actors on decode pods."""
+    options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0}
+    if f"pdserve_{role}" in cluster_resources:
+        options["resources"] = {f"pdserve_{role}": 1}
+    return options
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -100,21 +110,29 @@ class RayCluster:
                 ray.init(num_cpus=max(os.cpu_count() or 1, num_workers), include_dashboard=False,
                          logging_level=logging.WARNING, log_to_driver=True)
             self._started_ray = True
-        use_gpu = torch.cuda.is_available()
+        # Joining a cluster, the workers run on other machines: a head without a GPU still
+        # places `--device cuda` workers on GPUs, and they listen on every interface.
+        joined = cfg.ray_address is not None
+        use_gpu = torch.cuda.is_available() or (joined and cfg.worker.engine.device.startswith("cuda"))
+        template = cfg.worker
+        if joined:
+            template = dataclasses.replace(template, host="0.0.0.0",
+                                           kv_transfer=dataclasses.replace(template.kv_transfer, host="0.0.0.0"))
+        resources = ray.cluster_resources()
         threads = cfg.worker.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
         actor_cls = ray.remote(WorkerProcess)
         pending = []
         for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
             for _ in range(count):
-                engine = dataclasses.replace(cfg.worker.engine, device="cuda" if use_gpu else cfg.worker.engine.device)
-                port = cfg.worker.port or free_port(cfg.worker.host)
+                engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device)
+                port = template.port or free_port(template.host)
                 # With router metrics on, every worker serves its own (a port fixed here, kept across restarts).
-                metrics_port = free_port(cfg.worker.host) if cfg.router.metrics_port is not None else None
-                worker = dataclasses.replace(cfg.worker, role=role, port=port, num_threads=threads, engine=engine,
+                metrics_port = free_port(template.host) if cfg.router.metrics_port is not None else None
+                worker = dataclasses.replace(template, role=role, port=port, num_threads=threads, engine=engine,
                                              metrics_port=metrics_port)
                 if metrics_port is not None:
-                    print(f"{role} worker metrics at http://{cfg.worker.host}:{metrics_port}/metrics", flush=True)
-                actor = actor_cls.options(num_cpus=1, num_gpus=1 if use_gpu else 0,
+                    print(f"{role} worker metrics at http://{template.host}:{metrics_port}/metrics", flush=True)
+                actor = actor_cls.options(**actor_options(role, use_gpu, resources),
                                           max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
                                           name=None).remote(worker, cfg.log_level)
                 self.actors.append(actor)

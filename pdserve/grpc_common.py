@@ -12,6 +12,9 @@ from grpc_reflection.v1alpha import reflection
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Health service name that stays SERVING while the process runs, draining included: what a
+# Kubernetes liveness probe asks (readiness asks "" and turns NOT_SERVING on drain).
+LIVENESS_SERVICE = "liveness"
 
 
 def new_server() -> grpc.aio.Server:
@@ -30,6 +33,8 @@ async def set_serving(servicer: "health.aio.HealthServicer", service_names: list
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
         await servicer.set(name, status)
+    if serving:
+        await servicer.set(LIVENESS_SERVICE, status)
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:

@@ -30,7 +30,7 @@ from router.admission import AdmissionRejected
 from router.config import RouterConfig
 from router.request_builder import PreparedRequest
 from router.worker_pool import WorkerClient
-from router.worker_selector import Route, WorkerSelector
+from router.worker_selector import NoHealthyWorker, Route, WorkerSelector
 
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -108,6 +108,8 @@ class GenerationPipeline:
             route = await self.selector.route(prompt, hashes)
         except AdmissionRejected as exc:
             raise PipelineError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
+        except NoHealthyWorker as exc:
+            raise PipelineError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         routes.append((index, route))
         try:
             decode_req = worker_pb2.DecodeRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg)

@@ -31,12 +31,14 @@ DEFAULT_BLOCK_SIZE = 16
 @dataclass
 class Route:
     decode: WorkerClient
+    """Reserved for the sample until `release`."""
     remote_prefill: bool
-    block_hashes: list[int]
-    decode_cached_blocks: int
-    queue_time_s: float = 0.0
     prefill: WorkerClient | None = None
     """Set once a prefill worker is chosen (the last one tried)."""
+
+
+class NoHealthyWorker(Exception):
+    """No worker of a needed role is in rotation (as opposed to all being busy)."""
 
 
 class WorkerSelector:
@@ -61,14 +63,16 @@ class WorkerSelector:
         return hash_full_blocks(prompt, self.block_size)
 
     async def route(self, prompt: list[int], block_hashes: list[int]) -> Route:
-        """Admit the sample and reserve its decode worker; raises AdmissionRejected."""
+        """Admit the sample and reserve its decode worker; raises AdmissionRejected, or
+        NoHealthyWorker at once when there is no decode worker to wait for."""
+        if not self.pool.healthy("decode"):
+            raise NoHealthyWorker("no healthy decode worker")
         try:
             route, waited = await self.admission.admit(lambda: self._reserve(prompt, block_hashes), self.release)
         except AdmissionRejected as exc:
             if self.metrics is not None:
                 self.metrics.observe_rejection(exc.reason)
             raise
-        route.queue_time_s = waited
         if self.metrics is not None:
             self.metrics.observe_route(route, waited)
         return route
@@ -96,14 +100,15 @@ class WorkerSelector:
         decode = [w for w in self.pool.healthy("decode") if w.has_room]
         if not decode:
             return None
-        if self.pool.has_role("prefill") and not any(w.has_room for w in self.pool.healthy("prefill")):
-            return None
+        prefill = self.pool.healthy("prefill")
+        if prefill and not any(w.has_room for w in prefill):
+            return None  # (none healthy at all: the prefill pick reports UNAVAILABLE)
         chosen = self.policy.pick_decode(self._candidates(decode, block_hashes))
         worker = self.pool.get(chosen.address)
         worker.in_flight += 1
         uncached = len(prompt) - chosen.cached_blocks * self.block_size
         remote = self.pool.has_role("prefill") and uncached >= self.skip_prefill_tokens
-        return Route(worker, remote, block_hashes, chosen.cached_blocks)
+        return Route(worker, remote)
 
     def _candidates(self, workers: list[WorkerClient], block_hashes: list[int],
                     in_progress: bool = False) -> list[Candidate]:

@@ -14,6 +14,12 @@ CASES = [
     (["router", "--decode-workers", "nohost"], "worker address must be host:port"),
     (["router", "--decode-workers", "127.0.0.1:1", "--health-interval-s", "0"], "health_interval_s must be > 0"),
     (["generate", "--input", "in.jsonl", "--output", "out.jsonl"], "give --url HOST:PORT"),
+    (["router", "--redis-url", "http://127.0.0.1:6379"], "redis_url must start with redis://"),
+    (["prefill-worker", "--redis-url", "localhost:6379"], "redis_url must start with redis://"),
+    (["router", "--skip-prefill-tokens", "-1"], "skip_prefill_tokens and max_queue_len must be >= 0"),
+    (["router", "--overlap-weight", "-2"], "routing weights must be >= 0"),
+    (["router", "--queue-timeout-s", "0"], "queue_timeout_s must be > 0"),
+    (["router", "--routing-policy", "fastest"], "invalid choice: 'fastest'"),
 ]
 
 

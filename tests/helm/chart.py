@@ -1,0 +1,66 @@
+"""Render the pdserve chart with the real `helm` binary, for tests."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "pdserve"
+KUBE_VERSION = "1.35.0"
+# The values files the chart is shown with: name -> files under the chart's ci/.
+CASES = {
+    "defaults": [],
+    "raycluster": ["raycluster-values.yaml"],
+    "external-redis": ["external-redis-values.yaml"],
+    "monitoring": ["monitoring-values.yaml"],
+}
+
+
+def find_helm() -> str:
+    """$PDSERVE_HELM, then <repo>/.venv/bin/helm (what `make test` installs), then PATH."""
+    for candidate in (os.environ.get("PDSERVE_HELM"), REPO / ".venv" / "bin" / "helm", shutil.which("helm")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise RuntimeError("no helm binary: run `python deploy/helm/tools/install_helm.py` (make test does), "
+                       "or point PDSERVE_HELM at one")
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([find_helm(), *args], capture_output=True, text=True, timeout=120)
+
+
+def values_args(case: str, chart: Path = CHART) -> list[str]:
+    return [arg for name in CASES[case] for arg in ("-f", str(chart / "ci" / name))]
+
+
+def template(*args: str, chart: Path = CHART) -> str:
+    """`helm template` output; raises with helm's message on failure."""
+    done = helm("template", "pdserve", str(chart), "--namespace", "llm", "--kube-version", KUBE_VERSION, *args)
+    if done.returncode != 0:
+        raise ValueError(done.stderr.strip())
+    return done.stdout
+
+
+def objects(rendered: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(rendered) if doc]
+
+
+def by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def pod_specs(objs: list[dict]) -> list[tuple[str, dict]]:
+    """(object name/group, pod spec) of every pod template, RayCluster groups included."""
+    specs = []
+    for o in objs:
+        name = f"{o['kind']}/{o['metadata']['name']}"
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            specs.append((name, o["spec"]["template"]["spec"]))
+        elif o["kind"] == "RayCluster":
+            specs.append((name + "/head", o["spec"]["headGroupSpec"]["template"]["spec"]))
+            specs += [(f"{name}/{g['groupName']}", g["template"]["spec"]) for g in o["spec"]["workerGroupSpecs"]]
+    return specs

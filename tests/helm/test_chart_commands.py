@@ -1,0 +1,88 @@
+"""Every `pdserve` command line the chart's containers run is accepted by the real CLI:
+parsed by its argparse parser and validated into config objects (`pdserve.cli._prepare`),
+without starting anything. Arguments are expanded as the kubelet does ($(VAR) from the
+container's env; the downward API and Secrets get sample values)."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+
+from tests.helm.chart import CASES, REPO, objects, pod_specs
+
+SAMPLE_FIELDS = {"status.podIP": "10.0.0.7"}
+SAMPLE_SECRET = "s3cret"
+CHECK = """
+import contextlib, io, json, sys
+from pdserve.cli import _prepare, build_parser
+results = []
+for argv in json.load(sys.stdin):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            _prepare(build_parser().parse_args(argv))
+        results.append("")
+    except SystemExit:
+        results.append(err.getvalue().strip().splitlines()[-1])
+    except ValueError as exc:
+        results.append(f"error: {exc}")
+print(json.dumps(results))
+"""
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def container_env(container: dict) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        source = entry.get("valueFrom", {})
+        if "value" in entry:
+            env[entry["name"]] = expand(entry["value"], env)
+        elif "fieldRef" in source:
+            env[entry["name"]] = SAMPLE_FIELDS[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            env[entry["name"]] = SAMPLE_SECRET
+    return env
+
+
+def pdserve_argv(container: dict) -> list[str] | None:
+    """The arguments after `pdserve` in a container, or None if it runs something else."""
+    env = container_env(container)
+    command, args = container.get("command", []), [expand(a, env) for a in container.get("args", [])]
+    if command == ["pdserve"]:
+        return args
+    if command[:2] == ["/bin/bash", "-lc"] and args and "exec pdserve " in args[0]:
+        return shlex.split(args[0].split("exec pdserve ", 1)[1])
+    return None
+
+
+def chart_commands(rendered: dict[str, str]) -> list[tuple[str, list[str]]]:
+    found = []
+    for case in CASES:
+        for name, spec in pod_specs(objects(rendered[case])):
+            for container in spec.get("initContainers", []) + spec["containers"]:
+                argv = pdserve_argv(container)
+                if argv is not None:
+                    found.append((f"{case}: {name}/{container['name']}", argv))
+    return found
+
+
+def test_chart_runs_every_role_with_the_real_cli(rendered):
+    commands = chart_commands(rendered)
+    subcommands = {where.split(":")[0]: set() for where, _ in commands}
+    for where, argv in commands:
+        subcommands[where.split(":")[0]].add(argv[0])
+    assert subcommands["defaults"] == {"router", "prefill-worker", "decode-worker"}
+    assert subcommands["raycluster"] == {"router", "serve"}
+    assert all("$(" not in arg for _, argv in commands for arg in argv), "unexpanded $(VAR) in the chart's args"
+
+    done = subprocess.run([sys.executable, "-c", CHECK], input=json.dumps([argv for _, argv in commands]),
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    refused = {where: f"pdserve {shlex.join(argv)}\n    -> {error}"
+               for (where, argv), error in zip(commands, json.loads(done.stdout)) if error}
+    assert not refused, "the CLI refuses the chart's commands:\n" + "\n".join(f"{w}: {e}" for w, e in refused.items())

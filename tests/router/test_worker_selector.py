@@ -1,0 +1,69 @@
+"""WorkerSelector without a network: reservations, skip-prefill, in-progress prefixes, no worker."""
+import asyncio
+
+import pytest
+
+from engine.block_hash import hash_full_blocks
+from pdserve.protocol import worker_pb2
+from router.admission import AdmissionQueue, AdmissionRejected
+from router.kv_index import KvIndex
+from router.routing_policy import RoutingPolicy
+from router.worker_pool import WorkerPool
+from router.worker_selector import NoHealthyWorker, WorkerSelector
+
+PROMPT = list(range(100, 200))  # 6 full blocks of 16
+HASHES = hash_full_blocks(PROMPT, 16)
+
+
+def make(prefill=("p1:1", "p2:1"), decode=("d1:1",), max_requests=2, skip=32):
+    pool = WorkerPool(list(prefill), list(decode))
+    for w in pool.workers:
+        w.healthy = True
+        w.stats = worker_pb2.WorkerStats(role=w.role, block_size=16, max_num_requests=max_requests,
+                                         kv_blocks_total=100)
+    index = KvIndex()
+    for w in pool.workers:
+        index.load_snapshot(w.address, 0, [])
+    return pool, index, WorkerSelector(pool, index, RoutingPolicy("prefix"), AdmissionQueue(0, 1.0), skip)
+
+
+def test_decode_slots_are_reserved_until_released_then_refused():
+    async def scenario():
+        pool, _, selector = make()
+        routes = [await selector.route(PROMPT, HASHES) for _ in range(2)]
+        assert pool.get("d1:1").in_flight == 2 and all(r.remote_prefill for r in routes)
+        with pytest.raises(AdmissionRejected):  # queue of 0: refused at once
+            await selector.route(PROMPT, HASHES)
+        selector.release(routes[0])
+        assert (await selector.route(PROMPT, HASHES)).decode.address == "d1:1"
+    asyncio.run(scenario())
+
+
+def test_no_healthy_decode_worker_is_unavailable_not_saturated():
+    async def scenario():
+        pool, _, selector = make()
+        pool.get("d1:1").healthy = False
+        with pytest.raises(NoHealthyWorker):
+            await selector.route(PROMPT, HASHES)
+    asyncio.run(scenario())
+
+
+def test_decode_prefills_itself_when_it_holds_nearly_all_the_prompt():
+    async def scenario():
+        _, index, selector = make()
+        index.load_snapshot("d1:1", 1, HASHES[:5])  # 80 of 100 tokens: 20 uncached < 32
+        assert not (await selector.route(PROMPT, HASHES)).remote_prefill
+        index.load_snapshot("d1:1", 2, HASHES[:4])  # 36 uncached
+        assert (await selector.route(PROMPT, HASHES)).remote_prefill
+    asyncio.run(scenario())
+
+
+def test_prefill_goes_to_the_holder_or_to_the_worker_already_computing_the_prefix():
+    pool, index, selector = make()
+    index.load_snapshot("p2:1", 1, HASHES[:3])
+    assert selector.pick_prefill(len(PROMPT), HASHES) == (pool.get("p2:1"), 3)
+    # A new prefix: nobody holds it, but p1 is prefilling a prompt that starts with it.
+    other = hash_full_blocks(list(range(500, 600)), 16)
+    pool.get("p1:1").pending_prompts["x"] = other
+    assert selector.pick_prefill(100, other) == (pool.get("p1:1"), 6)
+    assert selector.pick_prefill(100, other, exclude=(pool.get("p1:1"),))[0] is pool.get("p2:1")
