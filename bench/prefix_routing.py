@@ -105,6 +105,8 @@ def run_policy(policy: str, args, prompts, offsets) -> dict:
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         query = metric_value(url, "pdserve:router_prefix_query_blocks_total") or 0
         hit = metric_value(url, "pdserve:router_prefix_hit_blocks_total") or 0
+        per_worker = [metric_value(url, "pdserve:routing_decisions_total", role="prefill", worker=p.address) or 0
+                      for p in procs[:2]]
     finally:
         for p in reversed(procs):
             p.stop()
@@ -116,6 +118,7 @@ def run_policy(policy: str, args, prompts, offsets) -> dict:
             "prefix_hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
             "router_index_hit_rate": hit / query if query else 0.0,
             "completed": len(ok), "failed": len(results) - len(ok), "kv_gib_per_prefill_worker": kv_gib,
+            "prefill_requests_per_worker": per_worker,
             "errors": sorted({r["error"] for r in results if "error" in r})[:5]}
 
 
@@ -149,6 +152,8 @@ def main() -> int:
     print(f"|---|{'---:|' * len(names)}")
     for label, key, fmt in ROWS:
         print(f"| {label} | {' | '.join(format(results[n][key], fmt) for n in names)} |")
+    split = ["/".join(f"{n:.0f}" for n in r["prefill_requests_per_worker"]) for r in results.values()]
+    print(f"| prefills per worker | {' | '.join(split)} |")
     done = [f"{r['completed']}/{r['failed']}" for r in results.values()]
     print(f"| completed/failed | {' | '.join(done)} |")
     if "prefix" in results and "round_robin" in results:

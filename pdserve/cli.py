@@ -83,6 +83,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="prefix: fewest uncached prompt blocks plus load (KV events); see router/routing_policy.py")
     p.add_argument("--overlap-weight", type=float, default=1.0,
                    help="prefix policy: cost of an uncached prompt block relative to a block of queued work")
+    p.add_argument("--prefill-request-weight", type=float, default=8.0,
+                   help="prefill choice: fixed cost of one request, in blocks of prompt")
     p.add_argument("--kv-weight", type=float, default=4.0,
                    help="decode choice: cost of a full KV pool, in running requests")
     p.add_argument("--skip-prefill-tokens", type=int, default=32,
@@ -101,7 +103,8 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
     from router.routing_policy import RoutingWeights
     return RouterConfig(model=args.model, host=args.host, port=args.port, prefill_workers=prefill,
                         decode_workers=decode, routing_policy=args.routing_policy,
-                        routing_weights=RoutingWeights(args.overlap_weight, args.kv_weight),
+                        routing_weights=RoutingWeights(args.overlap_weight, args.kv_weight,
+                                                       args.prefill_request_weight),
                         skip_prefill_tokens=args.skip_prefill_tokens, redis_url=args.redis_url,
                         registry_ttl_s=args.registry_ttl_s, max_queue_len=args.max_queue_len,
                         queue_timeout_s=args.queue_timeout_s, retry_after_s=args.retry_after_s,

@@ -13,6 +13,8 @@ def test_prefix_prefers_cached_worker_until_load_outweighs_it():
     assert policy.pick_prefill([idle, cached], 64) is cached
     cached.queued_blocks = 61  # 4 + 61 > 64
     assert policy.pick_prefill([idle, cached], 64) is idle
+    cached.queued_blocks, cached.running = 0, 8  # 4 + 8 requests x 8 blocks > 64
+    assert policy.pick_prefill([idle, cached], 64) is idle
     # overlap_weight scales the cache term against load.
     heavy = RoutingPolicy("prefix", RoutingWeights(overlap_weight=2.0))
     assert heavy.pick_prefill([idle, cached], 64) is cached
