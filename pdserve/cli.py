@@ -77,6 +77,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface the gRPC server binds to")
     p.add_argument("--port", type=int, default=50051, help="gRPC port of the Generation service")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API here (/v1/completions, /v1/chat/completions, ...)")
     p.add_argument("--routing-policy", default="prefix", choices=["prefix", "least_loaded", "round_robin", "random"],
                    help="prefix: fewest uncached prompt blocks plus load (KV events); see router/routing_policy.py")
     p.add_argument("--overlap-weight", type=float, default=1.0,
@@ -108,7 +110,8 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         queue_timeout_s=args.queue_timeout_s, retry_after_s=args.retry_after_s,
                         max_model_len=args.max_model_len, health_interval_s=args.health_interval_s,
                         lease_s=args.lease_s,
-                        metrics_port=args.metrics_port, drain_timeout_s=args.router_drain_timeout_s)
+                        metrics_port=args.metrics_port, http_port=args.http_port,
+                        drain_timeout_s=args.router_drain_timeout_s)
 
 
 def _addresses(text: str) -> list[str]:

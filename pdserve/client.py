@@ -1,6 +1,6 @@
 """A gRPC client of the Generation service, and `pdserve generate --url`.
 
-`stream_sample_texts` and `generate_one` are the library surface (demo,
+`generate_one` and `collect_samples` are the library surface (demo,
 benchmarks, tests); `run_generate_url` is the CLI: every line of the input
 file is sent at once as its own request, results written in input order.
 """
@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.grpc_common import insecure_channel
 from pdserve.jsonl_requests import LineError, LineRequest, read_requests, result_line
 from pdserve.protocol import finish_reason_name, generate_pb2, generate_pb2_grpc, logprobs_from_chunk, \
-    params_to_proto
+    params_to_proto, usage_from_proto
 
 
 @dataclass
@@ -47,8 +47,13 @@ async def generate_one(stub, request, on_chunk=None, timeout: float | None = Non
     """Run one Generate call to its end; `on_chunk(index, chunk)` sees each chunk as it arrives.
 
     Raises grpc.aio.AioRpcError on a failed call."""
+    return await collect_samples(stub.Generate(request, timeout=timeout), on_chunk)
+
+
+async def collect_samples(responses, on_chunk=None) -> list[SampleResult]:
+    """Gather a stream of GenerateResponse messages into one SampleResult per index."""
     samples: dict[int, SampleResult] = {}
-    async for msg in stub.Generate(request, timeout=timeout):
+    async for msg in responses:
         sample = samples.setdefault(msg.index, SampleResult(msg.index))
         if msg.HasField("chunk"):
             sample.token_ids.extend(msg.chunk.token_ids)
@@ -57,10 +62,8 @@ async def generate_one(stub, request, on_chunk=None, timeout: float | None = Non
             if on_chunk is not None:
                 on_chunk(msg.index, msg.chunk)
         else:
-            usage = msg.complete.usage
             sample.finish_reason = finish_reason_name(msg.complete.finish_reason)
-            sample.usage = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                            "cached_tokens": usage.cached_tokens}
+            sample.usage = usage_from_proto(msg.complete.usage)
     return [samples[i] for i in sorted(samples)]
 
 

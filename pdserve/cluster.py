@@ -176,11 +176,13 @@ def run_serve(config: ClusterConfig) -> int:
 async def _serve_router(router_config: RouterConfig, stop: threading.Event, config: ClusterConfig) -> int:
     router = RouterServer(router_config)
     address = await router.start(wait_for_workers_s=60.0)
-    metrics = ""
+    extras = ""
+    if router.http_port is not None:
+        extras += f", OpenAI API at http://{router_config.host}:{router.http_port}/v1"
     if router_config.metrics_port is not None:
-        metrics = f", metrics at http://{router_config.host}:{router_config.metrics_port}/metrics"
+        extras += f", metrics at http://{router_config.host}:{router_config.metrics_port}/metrics"
     print(f"ready: pdserve serving at {address} ({config.num_prefill} prefill, {config.num_decode} decode"
-          f"{metrics})", flush=True)
+          f"{extras})", flush=True)
     while not stop.is_set():
         await asyncio.sleep(0.1)
     await router.drain()

@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 
 __all__ = ["generate_pb2", "generate_pb2_grpc", "worker_pb2", "worker_pb2_grpc",
            "params_from_proto", "params_to_proto", "chunk_from_delta", "FINISH_REASONS", "finish_reason_name",
-           "kv_events_to_proto", "kv_events_from_proto"]
+           "logprobs_from_chunk", "usage_from_proto", "kv_events_to_proto", "kv_events_from_proto"]
 
 FINISH_REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -64,6 +64,12 @@ def logprobs_from_chunk(chunk: "generate_pb2.Chunk") -> list[dict]:
     return [{"token_id": lp.token_id, "logprob": lp.logprob,
              "top_logprobs": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs]}
             for lp in chunk.logprobs]
+
+
+def usage_from_proto(usage: "generate_pb2.Usage") -> dict:
+    """A Usage message as the JSON usage object of pdserve's outputs."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens}
 
 
 def finish_reason_name(value: int) -> str:

@@ -44,6 +44,8 @@ class RouterConfig:
     """How long a prefill worker holds a prompt's KV for the decode worker."""
     metrics_port: int | None = None
     """Serve Prometheus metrics at http://host:metrics_port/metrics."""
+    http_port: int | None = None
+    """Serve the OpenAI-compatible HTTP API at http://host:http_port/v1 (0 picks a free port)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight requests may take before the process exits."""
 
@@ -56,8 +58,10 @@ class RouterConfig:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+        for name in ("metrics_port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} out of range: {value}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.skip_prefill_tokens < 0 or self.max_queue_len < 0:

@@ -32,14 +32,22 @@ class RequestBuilder:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len or model_config.max_position_embeddings
 
-    def build(self, msg) -> PreparedRequest:
-        """Validate and tokenize a pdserve.v1.GenerateRequest; raises InvalidParameter."""
+    def build(self, msg, max_tokens_to_context: bool = False) -> PreparedRequest:
+        """Validate and tokenize a pdserve.v1.GenerateRequest; raises InvalidParameter.
+
+        With `max_tokens_to_context`, an unset max_tokens means the rest of the
+        context (OpenAI's chat API) instead of 16."""
         request_id = msg.request_id or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidParameter("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
         prompt = self.prompt_token_ids(msg)
+        params_msg = msg.params
+        if max_tokens_to_context and not params_msg.HasField("max_tokens") and len(prompt) < self.max_model_len:
+            params_msg = type(params_msg)()
+            params_msg.CopyFrom(msg.params)
+            params_msg.max_tokens = self.max_model_len - len(prompt)
         try:
-            params = params_from_proto(msg.params)
+            params = params_from_proto(params_msg)
         except InvalidParameter as exc:
             raise InvalidParameter(f"params.{exc.field}", str(exc).split(": ", 1)[1]) from None
         self.check(prompt, params)

@@ -1,4 +1,5 @@
-"""The router process: worker pool + pipeline + gRPC Generation service (+ metrics)."""
+"""The router process: worker pool + pipeline + request runner, fronted by the gRPC Generation service
+(+ the OpenAI-compatible HTTP API, + metrics)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,11 @@ from router.config import RouterConfig
 from router.kv_feeds import KvFeeds
 from router.kv_index import KvIndex
 from router.metrics import RouterMetrics
+from router.openai.app import create_app
+from router.openai.server import HttpServer
 from router.pipeline import GenerationPipeline
 from router.request_builder import RequestBuilder
+from router.requests import RequestRunner
 from router.routing_metrics import RoutingMetrics
 from router.routing_policy import RoutingPolicy
 from router.service import GenerationServicer
@@ -42,7 +46,9 @@ class RouterServer:
         self._registry = None
         self._server = None
         self._health = None
-        self._servicer: GenerationServicer | None = None
+        self.runner: RequestRunner | None = None
+        self.http_port: int | None = None
+        self._http = None
         self._metrics_server = None
 
     async def start(self, wait_for_workers_s: float = 0.0) -> str:
@@ -62,15 +68,18 @@ class RouterServer:
             await self._registry.start()
         if wait_for_workers_s:
             await self.pool.wait_healthy(wait_for_workers_s)
-        self._servicer = GenerationServicer(builder, self.pipeline, self.metrics)
+        self.runner = RequestRunner(builder, self.pipeline, self.metrics)
         self._server = new_server()
-        generate_pb2_grpc.add_GenerationServicer_to_server(self._servicer, self._server)
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.runner), self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
         port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = f"{config.host}:{port}"
         await self._server.start()
+        if config.http_port is not None:
+            self._http = HttpServer(create_app(self.runner, config.model), config.host, config.http_port)
+            self.http_port = await self._http.start()
         if config.metrics_port is not None:
             self._metrics_server = self.metrics.serve(config.host, config.metrics_port)
         await set_serving(self._health, [SERVICE], True)
@@ -78,13 +87,15 @@ class RouterServer:
 
     async def drain(self, timeout_s: float | None = None) -> None:
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
-        self._servicer.draining = True
+        self.runner.draining = True
         await set_serving(self._health, [SERVICE], False)
         deadline = time.monotonic() + timeout_s
-        while self._servicer.num_running and time.monotonic() < deadline:
+        while self.runner.num_running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._http is not None:
+            await self._http.stop(grace_s)
         if self._server is not None:
             await self._server.stop(grace_s)
         await self.pipeline.wait_background()
@@ -102,4 +113,10 @@ class RouterServer:
 
 def run_router(config: RouterConfig) -> int:
     """Process entry point: serve until SIGTERM/SIGINT, then drain and exit."""
-    return run_until_signalled(RouterServer(config), lambda address: f"ready: router at {address}")
+    router = RouterServer(config)
+
+    def ready_line(address: str) -> str:
+        http = f" (OpenAI API at http://{config.host}:{router.http_port}/v1)" if router.http_port is not None else ""
+        return f"ready: router at {address}{http}"
+
+    return run_until_signalled(router, ready_line)

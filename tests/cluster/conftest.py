@@ -32,3 +32,13 @@ def router_2p2d(workers):
     proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def http_router(workers):
+    """A router over one prefill and one decode worker, serving gRPC and the OpenAI HTTP API."""
+    port = free_port()
+    proc = start_router(workers["prefill"][:1], workers["decode"][:1], "--http-port", str(port))
+    proc.http_url = f"http://127.0.0.1:{port}"
+    yield proc
+    proc.stop()

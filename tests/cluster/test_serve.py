@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import psutil
 
@@ -14,10 +15,13 @@ from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value, start
 
 
 def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0",
-                           "--metrics-port", str(metrics_port), *WORKER_FLAGS])
+                           "--metrics-port", str(metrics_port), "--http-port", str(http_port), *WORKER_FLAGS])
     try:
+        assert any(f"OpenAI API at http://127.0.0.1:{http_port}/v1" in line for line in proc.output)
+        models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30))
+        assert [m["id"] for m in models["data"]] == ["default"]
         descendants = psutil.Process(proc.popen.pid).children(recursive=True)
         assert len(descendants) >= 3, descendants  # Ray's own processes plus the two worker actors
         lines = [{"id": "a", "messages": [{"role": "user", "content": "Name a color."}], "temperature": 0,

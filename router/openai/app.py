@@ -1,0 +1,138 @@
+"""The OpenAI-compatible routes, on the same RequestRunner as the gRPC front.
+
+POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events
+ending in `data: [DONE]` with "stream": true), GET /v1/models, GET /health.
+A streamed response's status and headers wait for the first token, so a request
+refused by the pipeline (overload, draining, no worker) still gets its HTTP
+status. A client that disconnects, before or during the stream, aborts the
+request on every worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.sampling_params import InvalidParameter
+from pdserve.client import collect_samples
+from router.openai import errors
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai.responses import ChatCompletions, Completions, SseStream, sse
+from router.requests import RequestFailed, RequestRunner
+
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def create_app(runner: RequestRunner, model_name: str) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return errors.validation_error(exc)
+
+    tokenizer = runner.builder.tokenizer
+    created = int(time.time())
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if runner.draining else 200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "pdserve", "max_model_len": runner.builder.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(body, request, Completions(f"cmpl-{uuid.uuid4().hex}", model_name, token_text))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(body, request, ChatCompletions(f"chatcmpl-{uuid.uuid4().hex}", model_name, token_text))
+
+    async def generate(body, request: Request, api) -> Response:
+        if body.model is not None and body.model != model_name:
+            return errors.model_not_found(body.model)
+        try:
+            msg = body.to_generate_request(api.request_id)
+        except InvalidParameter as exc:
+            return errors.invalid(exc.field, str(exc))
+        want_logprobs = msg.params.HasField("logprobs")
+        responses = runner.generate(msg, max_tokens_to_context=body.default_max_tokens is None)
+        try:
+            if not body.stream:
+                samples = await _until_disconnected(request, collect_samples(responses))
+                return JSONResponse(api.response(samples, want_logprobs))
+            first = await _until_disconnected(request, anext(responses))
+        except RequestFailed as exc:
+            return _failure(exc, body)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        last_at = body.requested_max_tokens or body.default_max_tokens
+        stream = SseStream(api, want_logprobs, body.include_usage, last_at)
+        return StreamingResponse(_events(stream, first, responses, body), media_type="text/event-stream")
+
+    return app
+
+
+async def _events(stream: SseStream, first, responses, body):
+    """The SSE body; an error after the first token becomes an error event before [DONE]."""
+    try:
+        for event in stream.on_message(first):
+            yield event
+        async for msg in responses:
+            for event in stream.on_message(msg):
+                yield event
+    except RequestFailed as exc:
+        yield sse(errors.failed_body(exc, *_openai_message(exc, body)))
+        yield sse("[DONE]")
+        return
+    finally:
+        await responses.aclose()  # the client went away: abort on every worker
+    for event in stream.end():
+        yield event
+
+
+def _failure(exc: RequestFailed, body) -> JSONResponse:
+    status, headers = errors.failed_status(exc)
+    return JSONResponse(errors.failed_body(exc, *_openai_message(exc, body)), status_code=status, headers=headers)
+
+
+def _openai_message(exc: RequestFailed, body) -> tuple[str, str | None]:
+    """(message, param) with RequestBuilder's field names replaced by the OpenAI parameter names."""
+    if exc.field is None:
+        return str(exc), None
+    param = body.openai_param(exc.field)
+    return f"{param}: {str(exc).split(': ', 1)[1]}", param
+
+
+async def _until_disconnected(request: Request, awaitable):
+    """Await `awaitable`, cancelling it (and so the request) if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work not in done:
+        raise ClientDisconnected()
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

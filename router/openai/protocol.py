@@ -1,0 +1,165 @@
+"""OpenAI request bodies (plus vLLM's extras) and their mapping onto pdserve.v1.GenerateRequest.
+
+The HTTP front only translates: a body becomes the same GenerateRequest the gRPC
+front receives, and RequestBuilder validates and tokenizes it. Field names in
+its errors are mapped back to the OpenAI parameter names (`openai_param`).
+Unknown fields are ignored, as OpenAI servers do; fields pdserve does not
+implement are accepted only at their neutral value.
+"""
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol import generate_pb2
+
+Int32 = Annotated[int, Field(ge=-2 ** 31, le=2 ** 31 - 1)]
+Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]
+
+# Parameters without an implementation here, and the values that mean "off".
+NEUTRAL_VALUES = {
+    "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
+    "logit_bias": (None, {}), "echo": (False, None), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "n")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationBody(BaseModel):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_k: Int32 | None = None
+    min_tokens: Int32 | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[Int64] | None = None
+
+    def to_generate_request(self, request_id: str) -> generate_pb2.GenerateRequest:
+        """The GenerateRequest the gRPC front would receive; raises InvalidParameter (OpenAI names)."""
+        for name, value in (self.model_extra or {}).items():
+            if name in NEUTRAL_VALUES and value not in NEUTRAL_VALUES[name]:
+                raise InvalidParameter(name, "not supported by pdserve")
+        params = generate_pb2.SamplingParams(ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or [])
+        for name in _SAMPLING_FIELDS:
+            if getattr(self, name) is not None:
+                setattr(params, name, getattr(self, name))
+        if self.stop is not None:
+            params.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
+        if self.requested_max_tokens is not None:
+            params.max_tokens = self.requested_max_tokens
+        if self.num_logprobs is not None:
+            params.logprobs = self.num_logprobs
+        msg = generate_pb2.GenerateRequest(request_id=request_id, params=params)
+        self.set_input(msg)
+        return msg
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationBody):
+    default_max_tokens: ClassVar[int | None] = SamplingParams.max_tokens
+    """What an unset max_tokens means (None: the rest of the context)."""
+
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
+    max_tokens: Int32 | None = None
+    logprobs: Int32 | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def set_input(self, msg: generate_pb2.GenerateRequest) -> None:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidParameter("prompt", "batches of prompts are not supported: send one request per prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            msg.text = prompt
+        else:
+            msg.tokens.ids.extend(prompt)
+
+    def openai_param(self, field: str) -> str:
+        if field in ("input", "text", "tokens.ids"):
+            return "prompt"
+        return _common_param(field)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_GenerationBody):
+    default_max_tokens: ClassVar[int | None] = None
+
+    messages: list[ChatMessage]
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
+    logprobs: bool = False
+    top_logprobs: Int32 | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameter("top_logprobs", "requires logprobs to be true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def set_input(self, msg: generate_pb2.GenerateRequest) -> None:
+        msg.chat.messages.extend(generate_pb2.ChatMessage(role=m.role, content=_text(m.content))
+                                 for m in self.messages)
+
+    def openai_param(self, field: str) -> str:
+        if field in ("input", "chat.messages") or field.startswith("chat.messages["):
+            return field.removeprefix("chat.") if field != "input" else "messages"
+        if field == "params.max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        if field == "params.logprobs":
+            return "top_logprobs"
+        return _common_param(field)
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content)
+
+
+def _common_param(field: str) -> str:
+    return field.removeprefix("params.")
+
+
+# Names a validation error's location may use (the rest are pydantic's union member tags).
+BODY_FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
+                                           StreamOptions) for name in model.model_fields)

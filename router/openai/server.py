@@ -1,0 +1,46 @@
+"""uvicorn serving the OpenAI app as a task on the router's own asyncio loop."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import uvicorn
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # the router process owns SIGTERM/SIGINT (drain, then stop)
+
+
+class HttpServer:
+    def __init__(self, app, host: str, port: int) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Bind and serve; returns the port (useful when 0 was asked for)."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.create_server((self.host, self.port), family=family)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self, grace_s: float) -> None:
+        """Close the listener; open responses get `grace_s`, then their tasks are cancelled."""
+        if self._server is None:
+            return
+        self._server.config.timeout_graceful_shutdown = grace_s
+        self._server.should_exit = True
+        await self._task

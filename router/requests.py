@@ -1,0 +1,130 @@
+"""What every front end (gRPC, OpenAI HTTP) does with a request, whatever its wire format.
+
+`RequestRunner.generate(msg)` takes a pdserve.v1.GenerateRequest and yields the
+pipeline's GenerateResponse messages: it refuses new work while draining,
+validates and tokenizes (RequestBuilder), keeps the request-id registry, runs the
+pipeline in a producer task of its own so that `abort(request_id)` (or the
+consumer going away) cancels it and the pipeline aborts the request on every
+worker, and observes the request metrics. Every failure is one RequestFailed
+carrying the gRPC status; each front maps that to its own wire format.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from engine.sampling_params import InvalidParameter
+from pdserve.protocol import finish_reason_name, generate_pb2
+from router.metrics import RouterMetrics
+from router.pipeline import GenerationPipeline, PipelineError
+from router.request_builder import RequestBuilder
+
+_END = object()
+_ABORTED = object()
+
+
+class RequestFailed(Exception):
+    """A request refused or ended by an error."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+        """For INVALID_ARGUMENT: the request field at fault (as RequestBuilder names it)."""
+        self.retry_after_s = retry_after_s
+        """For RESOURCE_EXHAUSTED: when to try again, if the pipeline said."""
+
+
+class RequestRunner:
+    def __init__(self, builder: RequestBuilder, pipeline: GenerationPipeline, metrics: RouterMetrics) -> None:
+        self.builder = builder
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.draining = False
+        self._running: dict[str, asyncio.Task] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a running request; False when none has that id."""
+        task = self._running.get(request_id)
+        if task is not None:
+            task.cancel()
+        return task is not None
+
+    async def generate(self, msg: generate_pb2.GenerateRequest, timeout_s: float | None = None,
+                       max_tokens_to_context: bool = False,
+                       routes: list | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Yield the request's responses; raises RequestFailed. Closing or cancelling the
+        consumer aborts the request on every worker. (`max_tokens_to_context`:
+        RequestBuilder.build; `routes` receives (index, Route) per sample, as the pipeline's.)"""
+        arrival = time.perf_counter()
+        if self.draining:
+            raise self._failed(grpc.StatusCode.UNAVAILABLE, "the router is draining")
+        try:
+            prepared = self.builder.build(msg, max_tokens_to_context)
+        except InvalidParameter as exc:
+            raise self._failed(grpc.StatusCode.INVALID_ARGUMENT, str(exc), field=exc.field) from None
+        if prepared.request_id in self._running:
+            raise self._failed(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id: {prepared.request_id!r} is already running", field="request_id")
+        items: asyncio.Queue = asyncio.Queue()
+        producer = asyncio.create_task(self._produce(prepared, timeout_s, items, routes))
+        self._running[prepared.request_id] = producer
+        first_token_at = last_chunk_at = None
+        num_tokens = 0
+        try:
+            while (item := await items.get()) is not _END:
+                if item is _ABORTED:
+                    self.metrics.cancelled.inc()
+                    raise self._failed(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
+                if isinstance(item, PipelineError):
+                    raise self._failed(item.code, str(item), retry_after_s=item.retry_after_s)
+                if isinstance(item, BaseException):
+                    raise item
+                if item.HasField("complete"):
+                    self.metrics.success.labels(finish_reason_name(item.complete.finish_reason)).inc()
+                    self.metrics.prompt_tokens.inc(item.complete.usage.prompt_tokens)
+                elif item.chunk.token_ids:
+                    now = time.perf_counter()
+                    if first_token_at is None:
+                        first_token_at = now
+                        self.metrics.ttft.observe(now - arrival)
+                    else:
+                        self.metrics.itl.observe(now - last_chunk_at)
+                    last_chunk_at = now
+                    num_tokens += len(item.chunk.token_ids)
+                    self.metrics.generation_tokens.inc(len(item.chunk.token_ids))
+                yield item
+            end = time.perf_counter()
+            self.metrics.e2e.observe(end - arrival)
+            if num_tokens > 1:
+                self.metrics.tpot.observe((end - first_token_at) / (num_tokens - 1))
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or its deadline passed
+            self.metrics.cancelled.inc()
+            self.metrics.failures.labels(grpc.StatusCode.CANCELLED.name).inc()
+            raise
+        finally:
+            producer.cancel()  # its pipeline aborts the request on every worker it touched
+            self._running.pop(prepared.request_id, None)
+
+    async def _produce(self, prepared, timeout_s, items: asyncio.Queue, routes: list | None) -> None:
+        try:
+            async for msg in self.pipeline.generate(prepared, timeout_s, routes):
+                items.put_nowait(msg)
+            items.put_nowait(_END)
+        except asyncio.CancelledError:
+            items.put_nowait(_ABORTED)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            items.put_nowait(exc)
+
+    def _failed(self, code: grpc.StatusCode, message: str, **details) -> RequestFailed:
+        self.metrics.failures.labels(code.name).inc()
+        return RequestFailed(code, message, **details)
