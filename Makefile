@@ -5,7 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+# Debian packages the tests start for real (package name = binary name): redis-server
+# (routers' shared state) and prometheus (tests/monitoring scrapes a live cluster).
+SYSTEM_PACKAGES := redis-server prometheus
+
+.PHONY: setup system-packages demo test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,7 +27,15 @@ setup: $(STAMP)
 demo: setup
 	$(PY) -m pdserve.demo
 
-test: setup
+system-packages:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+test: setup system-packages
 	$(PY) -m pytest -q tests
 
 bench: setup
