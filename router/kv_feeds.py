@@ -24,6 +24,7 @@ from router.worker_pool import WorkerClient
 logger = logging.getLogger(__name__)
 RETRY_S = 0.5
 XREAD_BLOCK_MS = 1000
+CLOSE_WAIT_S = 3.0
 
 
 class KvFeeds:
@@ -31,6 +32,7 @@ class KvFeeds:
         self.index = index
         self.redis = redis
         self._tasks: dict[str, asyncio.Task] = {}
+        self._closing = False
 
     def start(self, worker: WorkerClient) -> None:
         self.index.add_worker(worker.address)
@@ -44,10 +46,14 @@ class KvFeeds:
         self.index.remove_worker(worker.address)
 
     async def close(self) -> None:
+        """Stop every feed. Bounded: redis-py can swallow the cancellation of a blocking read,
+        so the loops also watch `_closing` and the wait gives up after CLOSE_WAIT_S."""
+        self._closing = True
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
         self._tasks.clear()
 
     def _load(self, snapshot: worker_pb2.KvEventBatch) -> None:
@@ -60,8 +66,11 @@ class KvFeeds:
             logger.info("KV events of %s: gap before batch %d; resyncing", address, batch.seq)
         return ok
 
+    def _running(self, address: str) -> bool:
+        return not self._closing and self._tasks.get(address) is asyncio.current_task()
+
     async def _from_grpc(self, worker: WorkerClient) -> None:
-        while True:
+        while self._running(worker.address):
             call = worker.stub.SubscribeKvEvents(worker_pb2.KvEventsRequest())
             try:
                 async for batch in call:
@@ -80,7 +89,7 @@ class KvFeeds:
         from redis.exceptions import RedisError
         address = worker.address
         stream = last_id = None
-        while True:
+        while self._running(address):
             try:
                 if not self.index.is_synced(address):
                     snapshot = await worker.stub.GetKvSnapshot(worker_pb2.KvEventsRequest(), timeout=10)

@@ -40,7 +40,7 @@ class RedisRegistry:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait([self._task], timeout=3.0)  # bounded, as in kv_feeds
 
     async def scan(self) -> None:
         try:

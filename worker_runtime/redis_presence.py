@@ -41,7 +41,8 @@ class RedisPresence:
         """Leave the registry at once (routers stop routing here) and close the connection."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # bounded: redis-py can swallow a cancellation mid-command
+            await asyncio.wait(self._tasks, timeout=3.0)
         try:
             await self.redis.delete(redis_keys.worker_key(self.address))
         except RedisError:
