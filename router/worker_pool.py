@@ -46,9 +46,18 @@ class WorkerClient:
 
     @property
     def occupancy(self) -> int:
-        """Requests on the worker: this router's, plus others' as of the last stats."""
+        """Requests on the worker (what its admission limit counts): this router's, plus
+        others' as of the last stats."""
         others = self.stats.num_requests - self.in_flight_at_poll if self.stats else 0
         return self.in_flight + max(0, others)
+
+    @property
+    def working(self) -> int:
+        """Requests costing the worker compute: `occupancy` without prefill leases (prompts
+        already done, only waiting to be pulled), which the stats would otherwise count as
+        others' work once this router's call has returned."""
+        leases = self.stats.num_leases if self.stats else 0
+        return max(self.in_flight, self.occupancy - leases)
 
     @property
     def has_room(self) -> bool:

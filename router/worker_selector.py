@@ -123,7 +123,7 @@ class WorkerSelector:
             if in_progress and self.policy.uses_prefix:
                 held = max([held, *(_common_prefix(block_hashes, p) for p in w.pending_prompts.values())])
             out.append(Candidate(w.address, queued_blocks=queued / block_size,
-                                 running=w.occupancy, kv_blocks_used=s.kv_blocks_used if s else 0,
+                                 running=w.working, kv_blocks_used=s.kv_blocks_used if s else 0,
                                  kv_blocks_total=s.kv_blocks_total if s else 0, cached_blocks=held))
         return out
 

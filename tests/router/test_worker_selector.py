@@ -67,3 +67,16 @@ def test_prefill_goes_to_the_holder_or_to_the_worker_already_computing_the_prefi
     pool.get("p1:1").pending_prompts["x"] = other
     assert selector.pick_prefill(100, other) == (pool.get("p1:1"), 6)
     assert selector.pick_prefill(100, other, exclude=(pool.get("p1:1"),))[0] is pool.get("p2:1")
+
+
+def test_prefill_leases_are_not_load():
+    pool, index, selector = make()
+    index.load_snapshot("p2:1", 1, HASHES[:3])
+    holder = pool.get("p2:1")
+    # The last stats poll saw this router's finished request as a lease (its call had returned):
+    # that is no prefill work, so the holder of the prefix keeps it.
+    holder.stats.num_requests, holder.stats.num_leases = 1, 1
+    assert holder.occupancy == 1 and holder.working == 0
+    assert selector.pick_prefill(len(PROMPT), HASHES) == (holder, 3)
+    holder.stats.num_leases = 0  # a queued request of another router's: real work (8 blocks > 3)
+    assert selector.pick_prefill(len(PROMPT), HASHES)[0] is pool.get("p1:1")
