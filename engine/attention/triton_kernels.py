@@ -1,0 +1,181 @@
+"""Triton kernels over the paged KV cache: the KV write (slot mapping) and varlen paged attention.
+
+Both read the cache in place through strides, so the per-layer views of the
+engine's block-major KV tensor ([num_blocks, block_size, kv_heads, head_dim],
+non-contiguous in the block dimension) need no copy.
+
+`paged_attention` attends every query token of a step in one launch per layer:
+decode tokens and prefill chunks with cached context, packed by `cu_q`
+(cumulative query lengths, one sequence after another). A program owns
+BLOCK_Q query tokens of one sequence and one KV head; its BLOCK_M rows are
+those tokens times the query heads of that KV group, so grouped-query
+attention reads each K/V tile once and never repeats it. K/V are loaded tile
+by tile straight from the pages named by the block table (no gather, no
+padding to the longest context), with causal masking by position and an
+online softmax in float32.
+
+The same code runs on CPU under Triton's interpreter (TRITON_INTERPRET=1),
+which is how CI checks it against the torch reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+                     stride_kc_blk, stride_kc_off, stride_kc_h,
+                     stride_vc_blk, stride_vc_off, stride_vc_h,
+                     num_kv_heads, head_dim,
+                     PAGE: tl.constexpr, HEADS_P: tl.constexpr, DIM_P: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:  # a negative slot is padding (CUDA-graph batches): nothing to write
+        block = slot // PAGE
+        offset = slot % PAGE
+        h = tl.arange(0, HEADS_P)[:, None]
+        d = tl.arange(0, DIM_P)[None, :]
+        ok = (h < num_kv_heads) & (d < head_dim)
+        k = tl.load(k_ptr + token * stride_k_t + h * stride_k_h + d, mask=ok)
+        v = tl.load(v_ptr + token * stride_v_t + h * stride_v_h + d, mask=ok)
+        tl.store(k_cache_ptr + block * stride_kc_blk + offset * stride_kc_off + h * stride_kc_h + d, k, mask=ok)
+        tl.store(v_cache_ptr + block * stride_vc_blk + offset * stride_vc_off + h * stride_vc_h + d, v, mask=ok)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] at slots (block * block_size + offset; < 0 skipped) of the paged cache."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads, head_dim,
+        PAGE=k_cache.shape[1], HEADS_P=triton.next_power_of_2(num_kv_heads),
+        DIM_P=max(16, triton.next_power_of_2(head_dim)))
+
+
+@triton.jit
+def _find_sequence(cu_q_ptr, num_seqs, program, BLOCK_Q: tl.constexpr):
+    """The sequence owning `program`: sequence s owns programs cu_q[s] // BLOCK_Q + s onwards."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        if first <= program:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
+                            scale, num_seqs, head_dim,
+                            stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+                            stride_k_blk, stride_k_off, stride_k_h,
+                            stride_v_blk, stride_v_off, stride_v_h, stride_bt,
+                            GROUP: tl.constexpr, DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
+                            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, F32: tl.constexpr):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(cu_q_ptr, num_seqs, program, BLOCK_Q)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    q_block = program - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len
+        rows = tl.arange(0, BLOCK_M)
+        q_local = q_block * BLOCK_Q + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (rows // GROUP < BLOCK_Q) & (q_local < q_len)
+        d = tl.arange(0, DIM_P)
+        d_ok = d < head_dim
+        q_rows = (q_start + q_local).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q_pos = context_len + q_local
+        # Keys this block of queries can see: up to its last query's position (causal).
+        kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_P], tl.float32)
+        offs = tl.arange(0, TILE)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(0, kv_end, TILE):
+            k_pos = start + offs
+            k_ok = k_pos < kv_end
+            block = tl.load(table + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
+            offset = k_pos % PAGE
+            k = tl.load(k_cache_ptr + block[None, :] * stride_k_blk + offset[None, :] * stride_k_off
+                        + kv_head * stride_k_h + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            if F32:
+                s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            s = s * scale
+            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_v_blk + offset[:, None] * stride_v_off
+                        + kv_head * stride_v_h + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            if F32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def attention_launch_shape(num_tokens: int, num_seqs: int, group: int, max_query_len: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, programs along the token axis) for a step.
+
+    Decode-only steps take 16 rows (the tensor-core minimum); steps with prefill
+    chunks take 64 so a program's K/V tile serves more queries."""
+    block_m = 16 if max_query_len <= 1 else 64
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = max(1, block_m // group)
+    return block_m, block_q, num_tokens // block_q + num_seqs
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_q: torch.Tensor, max_query_len: int, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] (sequences packed by cu_q [S+1]) over the paged cache.
+
+    seq_lens [S]: context length of each sequence, this step's tokens included
+    (their K/V already written). block_tables [S, W] int32. max_query_len only
+    picks the launch shape; the kernel reads lengths from cu_q.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    block_m, block_q, programs = attention_launch_shape(num_tokens, num_seqs, group, max_query_len)
+    page = k_cache.shape[1]
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    _paged_attention_kernel[(programs, num_kv_heads)](
+        out, q, k_cache, v_cache, block_tables, seq_lens, cu_q,
+        scale, num_seqs, head_dim,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, DIM_P=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
+        TILE=32 if block_m == 16 else 64, BLOCK_Q=block_q, BLOCK_M=block_m,
+        # Float32 products for float32 models, and on CPU: Triton's interpreter computes
+        # bf16/fp16 dots wrongly (triton 3.9; 16-bit inputs are widened first there, exactly).
+        F32=q.dtype == torch.float32 or q.device.type == "cpu")
+    return out
