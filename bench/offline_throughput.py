@@ -96,11 +96,13 @@ def load_hf(model_dir, dtype):
 
 @torch.inference_mode()
 def run_hf_naive(model, work):
-    model.generate(torch.tensor([work[0][0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    dev = model.device
+    model.generate(torch.tensor([work[0][0]], device=dev), max_new_tokens=2, do_sample=False, pad_token_id=0)
     start = time.perf_counter()
     produced = 0
     for prompt, out_len in work:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt], device=dev), max_new_tokens=out_len, do_sample=False,
+                             pad_token_id=0)
         produced += out.shape[1] - len(prompt)
     return {"elapsed_s": time.perf_counter() - start, "output_tokens": produced}
 
@@ -118,7 +120,8 @@ def run_hf_static(model, work, batch_size):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         longest = max(o for _, o in batch)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, pad_token_id=0)
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=longest,
+                             do_sample=False, pad_token_id=0)
         computed += (out.shape[1] - width) * len(batch)
         useful += sum(o for _, o in batch)  # tokens past a request's own length are waste
     return {"elapsed_s": time.perf_counter() - start, "output_tokens": useful, "computed_tokens": computed}

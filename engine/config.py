@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch", "flash")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 @dataclass
@@ -25,8 +26,11 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_memory_bytes: int = 2 << 30
-    """Memory budget for the KV cache; the number of blocks is derived from it."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory budget for the KV cache; the number of blocks is derived from it. None: on CUDA, what
+    gpu_memory_utilization leaves after weights and the activation peak; on CPU, 2 GiB."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: the fraction of the device's memory this engine may use in all (weights, activations, KV)."""
     num_blocks: int | None = None
     """Exact number of KV blocks (overrides the memory budget; for tests)."""
     enable_prefix_caching: bool = True
@@ -35,8 +39,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
 
@@ -47,12 +53,15 @@ class EngineConfig:
     """A directory with config.json and *.safetensors, or 'default' (SmolLM2-135M-Instruct)."""
     dtype: str = "auto"
     """auto (the checkpoint's dtype), float32, bfloat16 or float16."""
-    device: str = "cpu"
-    """torch device for weights and KV ('cuda' when a GPU is present)."""
+    device: str = "auto"
+    """torch device for weights and KV: cpu, cuda[:N], or auto (cuda when a GPU is present, else cpu)."""
     max_model_len: int | None = None
     """Longest prompt plus output; defaults to the model's max_position_embeddings."""
-    attention_backend: str = "torch"
-    """torch (CPU and CUDA) or flash (vllm-flash-attn, CUDA only)."""
+    attention_backend: str = "auto"
+    """torch (CPU and CUDA), triton (our paged kernels: CUDA, or CPU under the interpreter), flash,
+    or auto (triton on CUDA, torch on CPU)."""
+    cuda_graphs: bool = True
+    """CUDA: replay captured graphs for decode batches (eager prefill and mixed steps)."""
     seed: int = 0
     """Seed for requests that give none."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -65,5 +74,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.device == "auto":
+            import torch
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"

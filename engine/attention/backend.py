@@ -5,7 +5,10 @@ The KV cache of one layer is seen as two views `k_cache`, `v_cache` of shape
 engine's block-major KV tensor). A backend writes the step's new K/V into the
 slots of `slot_mapping`, then attends each query token to its sequence's
 context. Tokens of a step are packed: decode tokens (one per sequence) and
-prefill chunks, in any order, described by `decode_*` and `prefills`.
+prefill chunks. The torch backend reads them per kind (`slot_blocks`,
+`decode_*`, `prefills`); varlen backends (triton) read one sequence after
+another (`slot_mapping`, `cu_q`, `seq_lens`, `block_tables`), built in one
+copy by engine/varlen_inputs.py.
 """
 from __future__ import annotations
 
@@ -31,9 +34,9 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    slot_blocks: torch.Tensor
+    slot_blocks: torch.Tensor | None = None
     """[T] block id holding each new token's KV."""
-    slot_offsets: torch.Tensor
+    slot_offsets: torch.Tensor | None = None
     """[T] offset inside that block."""
     decode_token_indices: torch.Tensor | None = None
     """[B] packed token index of each single-token sequence."""
@@ -42,12 +45,25 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None
     """[B] context length of each single-token sequence, the new token included."""
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Varlen form: sequences packed in order.
+    slot_mapping: torch.Tensor | None = None
+    """[T] int32 cache slot (block * block_size + offset) of each new token; < 0 writes nothing."""
+    cu_q: torch.Tensor | None = None
+    """[S+1] int32 cumulative query lengths."""
+    seq_lens: torch.Tensor | None = None
+    """[S] int32 context length of each sequence, this step's tokens included."""
+    block_tables: torch.Tensor | None = None
+    """[S, W] int32 block tables (entries past a sequence's length are never read)."""
+    max_query_len: int = 0
     # Filled by backends that need more (e.g. cumulative lengths for flash-attn).
     extra: dict = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and computes attention."""
+
+    varlen: bool = False
+    """True when the backend reads the varlen form of the metadata."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -67,6 +83,9 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) ->
     if name == "torch":
         from engine.attention.torch_paged import TorchPagedAttention
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    if name == "triton":
+        from engine.attention.triton_paged import TritonPagedAttention
+        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "flash":
         from engine.attention.flash_paged import FlashPagedAttention
         return FlashPagedAttention(num_heads, num_kv_heads, head_dim, scale)

@@ -75,7 +75,7 @@ def _find_sequence(cu_q_ptr, num_seqs, program, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compiled variant whatever the batch
 def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
                             scale, num_seqs, head_dim,
                             stride_q_t, stride_q_h, stride_o_t, stride_o_h,

@@ -1,0 +1,33 @@
+"""Paged attention through our Triton kernels (engine/attention/triton_kernels.py).
+
+One launch writes the step's K/V into the cache by slot mapping, one launch
+attends all of the step's tokens; both per layer. On a GPU the kernels are
+compiled; without one they run under Triton's interpreter (set here before
+triton is first imported), which is slow but exact — for tests.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TritonPagedAttention(AttentionBackend):
+    varlen = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        try:
+            from engine.attention import triton_kernels
+        except ImportError as exc:
+            raise RuntimeError("attention_backend='triton' needs the triton package") from exc
+        self._kernels = triton_kernels
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        self._kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q,
+                                             meta.max_query_len, self.scale)

@@ -1,0 +1,102 @@
+"""Step inputs for varlen attention backends, built in pinned host memory and sent in one copy.
+
+Every integer array a step needs (token ids, positions, KV slots, which rows
+to sample, cumulative query lengths, context lengths, block tables) is
+written with numpy into one preallocated int32 host buffer, then moved to the
+device with a single non-blocking copy; the model reads views of the device
+buffer. Two host buffers alternate, so filling step N+1's inputs never
+touches memory a copy of step N may still be reading.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache_manager import KVCacheManager
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class VarlenStep:
+    """Device views of one step's inputs."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    meta: AttentionMetadata
+    num_decode_only: int
+    """The step's sequence count when every sequence computes and samples one token (a decode batch), else 0."""
+
+
+class VarlenInputBuilder:
+    def __init__(self, block_size: int, device: torch.device, capacity: int = 1 << 16) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.pin = device.type == "cuda"
+        self._capacity = 0
+        self._turn = 0
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._host = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.pin) for _ in range(2)]
+        self._device = torch.empty(capacity, dtype=torch.int32, device=self.device)
+
+    def build(self, out: SchedulerOutput, kv: KVCacheManager) -> VarlenStep:
+        bs = self.block_size
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
+        num_tokens = sum(item.num_new_tokens for item in scheduled)
+        tables = [kv.block_table(item.request.request_id) for item in scheduled]
+        width = max(-(-(item.request.num_computed_tokens + item.num_new_tokens) // bs) for item in scheduled)
+        num_logits = sum(1 for item in scheduled if item.samples)
+        lengths = (num_tokens, num_tokens, num_tokens, num_logits, num_seqs + 1, num_seqs, num_seqs * width)
+        # Each array starts 16-byte aligned: Triton specializes kernels on pointer alignment, and
+        # unaligned views would compile new variants mid-run.
+        sizes = [-(-n // 4) * 4 for n in lengths]
+        total = sum(sizes)
+        if total > self._capacity:
+            self._grow(max(total, 2 * self._capacity))
+        host = self._host[self._turn]
+        self._turn ^= 1
+        flat = host.numpy()
+        ids, pos, slots, logits, cu_q, seq_lens, block_tables = (
+            part[:n] for part, n in zip(np.split(flat[:total], np.cumsum(sizes)[:-1]), lengths))
+        block_tables = block_tables.reshape(num_seqs, width)
+        t = r = 0
+        cu_q[0] = 0
+        max_query_len = 0
+        for s, (item, table) in enumerate(zip(scheduled, tables)):
+            req = item.request
+            start = req.num_computed_tokens
+            n = item.num_new_tokens
+            end = start + n
+            used = -(-end // bs)
+            block_tables[s, :used] = table[:used]
+            if n == 1:
+                ids[t] = req.all_token_ids[start]
+                pos[t] = start
+                slots[t] = table[start // bs] * bs + start % bs
+            else:
+                ids[t:t + n] = req.all_token_ids[start:end]
+                p = np.arange(start, end, dtype=np.int32)
+                pos[t:t + n] = p
+                slots[t:t + n] = np.asarray(table[start // bs:used], dtype=np.int32)[p // bs - start // bs] * bs + p % bs
+            t += n
+            cu_q[s + 1] = t
+            seq_lens[s] = end
+            max_query_len = max(max_query_len, n)
+            if item.samples:
+                logits[r] = t - 1
+                r += 1
+        dev = self._device[:total]
+        dev.copy_(host[:total], non_blocking=True)
+        ids_d, pos_d, slots_d, logits_d, cu_q_d, seq_lens_d, tables_d = (
+            part[:n] for part, n in zip(torch.split(dev, sizes), lengths))
+        meta = AttentionMetadata(slot_mapping=slots_d, cu_q=cu_q_d, seq_lens=seq_lens_d,
+                                 block_tables=tables_d.view(num_seqs, width), max_query_len=max_query_len)
+        decode_only = max_query_len == 1 and num_logits == num_seqs  # one token each, every one sampled
+        return VarlenStep(ids_d, pos_d, logits_d, meta, num_seqs if decode_only else 0)
