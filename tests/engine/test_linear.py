@@ -99,7 +99,7 @@ def test_cpu_without_onednn_bf16_uses_the_plain_path():
     """
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     env.pop("PDSERVE_PACKED_LINEAR", None)
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=Path(__file__).parents[2],
+    done = subprocess.run([sys.executable, "-c", script], check=False, env=env, cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "plain path ok" in done.stdout, done.stderr
 
