@@ -6,7 +6,8 @@ the multiply. Packing once at load time (what torch.compile's CPU freezing
 does) makes every bf16 linear 1.3-3x faster here. float32 keeps `F.linear`
 (MKL sgemm already streams at memory bandwidth, and its numerics are the ones
 the Hugging Face equivalence tests pin). CUDA keeps `F.linear`. If packing is
-unavailable or its probe disagrees with `F.linear`, the plain path is used.
+unavailable (oneDNN runs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT,
+so not on AVX2-only ones) or its probe disagrees with `F.linear`, the plain path is used.
 PDSERVE_PACKED_LINEAR=0 turns packing off.
 """
 from __future__ import annotations
