@@ -25,8 +25,18 @@ class KVSender(abc.ABC):
     """Prefill side: registers KV memory, serves reads of leased blocks."""
 
     backend_name: str = ""
+    """Data path this side was built for: ``"nixl"``, ``"tcp"`` or ``"tcp-staged"`` (TCP
+    through host staging buffers: a CUDA pool, or ``staging="always"``)."""
+    selection: str = ""
+    """How the factory chose it: ``"<backend>: <reason>"``."""
+    selection_reason: str = ""
+    """The reason alone (logged, and exported as ``pdserve:kv_transfer_backend_info``)."""
     layout: KVLayout
     region: KVRegion
+
+    def backend_info(self) -> dict[str, str]:
+        """``{"backend", "reason"}``: the data path and why it was chosen."""
+        return {"backend": self.backend_name, "reason": self.selection_reason}
 
     @abc.abstractmethod
     def peer_info(self) -> dict[str, Any]:
@@ -60,8 +70,18 @@ class KVReceiver(abc.ABC):
     """Decode side: reads remote blocks into local blocks."""
 
     backend_name: str = ""
+    """Data path this side was built for: ``"nixl"``, ``"tcp"`` or ``"tcp-staged"`` (TCP
+    through host staging buffers: a CUDA pool, or ``staging="always"``)."""
+    selection: str = ""
+    """How the factory chose it: ``"<backend>: <reason>"``."""
+    selection_reason: str = ""
+    """The reason alone (logged, and exported as ``pdserve:kv_transfer_backend_info``)."""
     layout: KVLayout
     region: KVRegion
+
+    def backend_info(self) -> dict[str, str]:
+        """``{"backend", "reason"}``: the data path and why it was chosen."""
+        return {"backend": self.backend_name, "reason": self.selection_reason}
 
     @abc.abstractmethod
     def read(self, peer_info: dict[str, Any], transfer_id: str,

@@ -27,6 +27,7 @@ from .config import KVTransferConfig
 from .errors import IncompatiblePeerError, TransferRefusedError
 from .layout import PROTOCOL_VERSION, KVLayout
 from .memory import KVRegion
+from .staging import make_staging
 from .tcp_path import pull_blocks
 from .transfer import Transfer, TransferTable
 from .wire import recv_msg, send_msg, tune_socket
@@ -165,7 +166,7 @@ class PeerLink:
                 raise ConnectionError(f"unexpected reply {reply}")
             t.set_transferring()
             if self.mode == "tcp":
-                nbytes = pull_blocks(sock, self.owner.region, t, reply)
+                nbytes = pull_blocks(sock, self.owner.region, t, reply, self.owner.staging)
             else:
                 nbytes = self.owner._pull(self, t, reply)
             send_msg(sock, {"type": "done", "tid": t.transfer_id})
@@ -213,6 +214,8 @@ class ControlReceiver(KVReceiver):
         self.config = config
         self.layout = layout
         self.region = KVRegion.from_buffer(kv_cache, layout)
+        #: Host buffers the tcp data path stages device memory through (None: host pool).
+        self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes)
         self._table = TransferTable("recv")
         self._links: dict[tuple, PeerLink] = {}
         self._closing: list[threading.Thread] = []
@@ -268,6 +271,7 @@ class ControlReceiver(KVReceiver):
             "transfers_done": self._table.num_done,
             "transfers_failed": self._table.num_failed,
             "registered_regions": 0,
+            **(self.staging.stats() if self.staging is not None else {}),
             **self._backend_stats(),
         }
 
@@ -283,16 +287,17 @@ class ControlReceiver(KVReceiver):
             link.close()
         for thread in self._closing:
             thread.join(timeout=10)
+        if self.staging is not None:
+            self.staging.close()
         self._close_backend()
 
     def _mode_for(self, peer_info: dict[str, Any]) -> str:
-        """First of our modes the peer serves (tcp only for CPU memory)."""
+        """First of our modes the peer serves (tcp stages device memory on either side)."""
         offered = peer_info.get("modes") or [peer_info.get("backend")]
         for mode in self.modes:
-            if mode in offered and not (mode == "tcp" and self.region.is_cuda):
+            if mode in offered:
                 return mode
-        raise ValueError(f"no common data path: peer serves {offered}, this receiver "
-                         f"{list(self.modes)}{' (CUDA pool)' if self.region.is_cuda else ''}")
+        raise ValueError(f"no common data path: peer serves {offered}, this receiver {list(self.modes)}")
 
     def _link_for(self, peer_info: dict[str, Any], mode: str) -> PeerLink:
         key = (str(peer_info["host"]), int(peer_info["port"]))
