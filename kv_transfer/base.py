@@ -14,7 +14,8 @@ and the sender has confirmed it still held the blocks.
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .layout import KVLayout
 from .memory import KVRegion
@@ -48,7 +49,7 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def expect(self, transfer_id: str, block_ids: Sequence[int],
-               timeout_s: Optional[float] = None) -> Transfer:
+               timeout_s: float | None = None) -> Transfer:
         """Expose ``block_ids`` for ``transfer_id`` until read, aborted or expired."""
 
     @abc.abstractmethod
@@ -59,7 +60,7 @@ class KVSender(abc.ABC):
     def close(self) -> None:
         """Abort everything, close sockets, deregister memory. Idempotent."""
 
-    def __enter__(self) -> "KVSender":
+    def __enter__(self) -> KVSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -86,7 +87,7 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     def read(self, peer_info: dict[str, Any], transfer_id: str,
              remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             timeout_s: Optional[float] = None) -> Transfer:
+             timeout_s: float | None = None) -> Transfer:
         """Start pulling ``remote_block_ids`` into ``local_block_ids``; returns at once.
 
         Pass only the blocks this engine lacks; an empty list still tells the
@@ -101,7 +102,7 @@ class KVReceiver(abc.ABC):
     def close(self) -> None:
         """Abort everything, close sockets, deregister memory. Idempotent."""
 
-    def __enter__(self) -> "KVReceiver":
+    def __enter__(self) -> KVReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from .base import KVReceiver, KVSender
 from .config import KVTransferConfig
@@ -40,7 +40,7 @@ class Selection:
         return "tcp-staged" if self.backend == "tcp" and self.staged else self.backend
 
 
-def select_backend(requested: str, device: str, nixl_problem: Optional[str],
+def select_backend(requested: str, device: str, nixl_problem: str | None,
                    nixl_reason: str = "nixl imports and its loopback self-test transfer succeeded",
                    staging: str = "auto") -> Selection:
     """The data path of a side whose pool lives on ``device`` (``"cpu"``/``"cuda"``).
@@ -65,13 +65,13 @@ def select_backend(requested: str, device: str, nixl_problem: Optional[str],
 
 
 def make_sender(kv_cache: Any, layout: KVLayout,
-                config: Optional[KVTransferConfig] = None) -> KVSender:
+                config: KVTransferConfig | None = None) -> KVSender:
     """Sender (prefill side) over ``kv_cache`` with the configured backend."""
     return _make("sender", kv_cache, layout, config or KVTransferConfig())
 
 
 def make_receiver(kv_cache: Any, layout: KVLayout,
-                  config: Optional[KVTransferConfig] = None) -> KVReceiver:
+                  config: KVTransferConfig | None = None) -> KVReceiver:
     """Receiver (decode side) over ``kv_cache`` with the configured backend."""
     return _make("receiver", kv_cache, layout, config or KVTransferConfig())
 
@@ -92,7 +92,7 @@ def _make(role: str, kv_cache: Any, layout: KVLayout, config: KVTransferConfig):
 
 
 def _try_nixl(role: str, kv_cache: Any, layout: KVLayout,
-              config: KVTransferConfig) -> tuple[Any, Optional[str], str]:
+              config: KVTransferConfig) -> tuple[Any, str | None, str]:
     """Build (and with ``auto``, self-test) the NIXL side: ``(side, problem, reason)``.
     With ``backend="nixl"`` a NIXL side that cannot start raises instead."""
     requested = config.backend == "nixl"

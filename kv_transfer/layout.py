@@ -78,7 +78,7 @@ class KVLayout:
         return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @classmethod
-    def of_kv_cache(cls, kv_cache: object, model_id: str) -> "KVLayout":
+    def of_kv_cache(cls, kv_cache: object, model_id: str) -> KVLayout:
         """Layout of an engine's ``kv_cache`` tensor (or numpy array) of shape
         ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, device kind included."""
         shape = tuple(int(d) for d in kv_cache.shape)
@@ -95,7 +95,7 @@ class KVLayout:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "KVLayout":
+    def from_dict(cls, data: dict) -> KVLayout:
         """Inverse of :meth:`to_dict`."""
         return cls(**data)
 
@@ -104,7 +104,7 @@ class KVLayout:
         canon = json.dumps({"v": PROTOCOL_VERSION, **self.to_dict()}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
-    def describe_mismatch(self, other: "KVLayout") -> str:
+    def describe_mismatch(self, other: KVLayout) -> str:
         """Human-readable list of the fields that differ from ``other``."""
         diffs = [f"{k}: ours={v!r} peer={getattr(other, k)!r}"
                  for k, v in self.to_dict().items() if getattr(other, k) != v]

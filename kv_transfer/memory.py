@@ -10,7 +10,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class KVRegion:
         return self.device == "cpu"
 
     @classmethod
-    def from_buffer(cls, buf: Any, layout: KVLayout) -> "KVRegion":
+    def from_buffer(cls, buf: Any, layout: KVLayout) -> KVRegion:
         """Wrap ``buf`` after checking its shape, dtype, contiguity and device kind."""
         device, device_id = device_of(buf)
         if device != layout.device:
@@ -74,7 +75,7 @@ class KVRegion:
         return cls(buf, layout, int(buf.ctypes.data), int(buf.nbytes), int(num_blocks), device, device_id)
 
     @classmethod
-    def _from_torch(cls, t: Any, layout: KVLayout, device: str, device_id: int) -> "KVRegion":
+    def _from_torch(cls, t: Any, layout: KVLayout, device: str, device_id: int) -> KVRegion:
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype != layout.dtype:
             raise ValueError(f"tensor dtype {dtype} != layout dtype {layout.dtype}")

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class NixlAgent:
                 f"no NIXL backend among {config.nixl_backends} could be created "
                 f"(plugins: {self.agent.plugin_list})")
         self.lock = threading.Lock()
-        self.cuda_device: Optional[int] = None
+        self.cuda_device: int | None = None
         self.registered: list[Any] = []
         self.prepped: list[Any] = []
         self.remote_agents: set[str] = set()

@@ -23,7 +23,7 @@ import logging
 import select
 import socket
 import time
-from typing import Any, Optional
+from typing import Any
 
 from .config import KVTransferConfig
 from .layout import KVLayout
@@ -191,7 +191,7 @@ class NixlReceiver(ControlReceiver):
         self.nixl.close()
 
 
-def _peer_closed(sock: Optional[socket.socket], wait: float) -> bool:
+def _peer_closed(sock: socket.socket | None, wait: float) -> bool:
     """Sleep up to ``wait`` on the control socket; True if the peer hung up."""
     if sock is None:
         return True

@@ -20,7 +20,8 @@ import collections
 import logging
 import socket
 import threading
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .base import KVReceiver
 from .config import KVTransferConfig
@@ -38,13 +39,13 @@ logger = logging.getLogger("pdserve.kv_transfer")
 class PeerLink:
     """Control connection + worker thread for one sender instance."""
 
-    def __init__(self, owner: "ControlReceiver", peer_info: dict[str, Any], mode: str) -> None:
+    def __init__(self, owner: ControlReceiver, peer_info: dict[str, Any], mode: str) -> None:
         self.owner = owner
         self.mode = mode
         self.host = str(peer_info["host"])
         self.port = int(peer_info["port"])
         self.instance_id = peer_info.get("instance_id")
-        self.sock: Optional[socket.socket] = None
+        self.sock: socket.socket | None = None
         self.hello: dict = {}
         self.backend_state: Any = None
         self._queue: collections.deque[Transfer] = collections.deque()
@@ -153,7 +154,7 @@ class PeerLink:
             t.set_interrupt(None)
             self._send_abort(t)
             return
-        error: Optional[str] = None
+        error: str | None = None
         nbytes = 0
         try:
             sock = self.sock
@@ -242,7 +243,7 @@ class ControlReceiver(KVReceiver):
     # -- public API -------------------------------------------------------------
     def read(self, peer_info: dict[str, Any], transfer_id: str,
              remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             timeout_s: Optional[float] = None) -> Transfer:
+             timeout_s: float | None = None) -> Transfer:
         if self._closed:
             raise RuntimeError("receiver is closed")
         mode = self._mode_for(peer_info)

@@ -21,7 +21,8 @@ import logging
 import socket
 import threading
 import uuid
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .base import KVSender
 from .config import KVTransferConfig
@@ -88,7 +89,7 @@ class ControlSender(KVSender):
         }
 
     def expect(self, transfer_id: str, block_ids: Sequence[int],
-               timeout_s: Optional[float] = None) -> Transfer:
+               timeout_s: float | None = None) -> Transfer:
         if self._closed:
             raise RuntimeError("sender is closed")
         ids = self.region.check_ids(block_ids, f"expect({transfer_id!r})")
@@ -147,7 +148,7 @@ class ControlSender(KVSender):
                 self._conns[sock] = thread
             thread.start()
 
-    def _check_hello(self, hello: dict) -> Optional[str]:
+    def _check_hello(self, hello: dict) -> str | None:
         if hello.get("type") != "hello":
             return f"expected hello, got {hello.get('type')!r}"
         if hello.get("version") != PROTOCOL_VERSION:

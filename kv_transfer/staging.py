@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -249,6 +250,6 @@ def needs_staging(region: KVRegion, staging: str) -> bool:
     return staging == "always" or not region.is_host
 
 
-def make_staging(region: KVRegion, staging: str, chunk_bytes: int) -> Optional[StagingPool]:
+def make_staging(region: KVRegion, staging: str, chunk_bytes: int) -> StagingPool | None:
     """The side's staging pool, or None when its blocks go to the socket directly."""
     return StagingPool(region, chunk_bytes) if needs_staging(region, staging) else None

@@ -20,7 +20,6 @@ deadline stop it at once; a staged side waits for its copies in flight before
 from __future__ import annotations
 
 import socket
-from typing import Optional
 
 from .memory import KVRegion
 from .staging import NUM_BUFFERS, Stager, StagingPool
@@ -36,7 +35,7 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: list[int],
-                 staging: Optional[StagingPool] = None) -> None:
+                 staging: StagingPool | None = None) -> None:
     """Sender: stream ``block_ids`` of ``region`` (staged when ``staging`` is given);
     counts the bytes on ``t``."""
     stager = staging.acquire() if staging is not None and block_ids else None
@@ -62,7 +61,7 @@ def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: 
 
 
 def pull_blocks(sock: socket.socket, region: KVRegion, t: Transfer, grant: dict,
-                staging: Optional[StagingPool] = None) -> int:
+                staging: StagingPool | None = None) -> int:
     """Receiver: fill ``t``'s local blocks from the stream (caller holds ``begin_io``);
     staged when ``staging`` is given. Returns the bytes read."""
     expected = len(t.block_ids) * region.block_nbytes

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 

@@ -16,9 +16,10 @@ import time
 import numpy as np
 import pytest
 
+from kv_transfer import KVLayout, TransferState, make_receiver, make_sender
+
 from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
 from .peers import SMOLLM2, block_digest, config_for, make_pool
-from kv_transfer import KVLayout, TransferState, make_receiver, make_sender
 
 DONE, FAILED, TRANSFERRING = int(TransferState.DONE), int(TransferState.FAILED), int(TransferState.TRANSFERRING)
 

@@ -11,12 +11,20 @@ import time
 import numpy as np
 import pytest
 
-from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
-from .peers import SMOLLM2, config_for, make_pool
-from kv_transfer import (BackendUnavailableError, KVLayout, KVTransferConfig, Transfer, TransferState,
-                         make_receiver, make_sender)
+from kv_transfer import (
+    BackendUnavailableError,
+    KVLayout,
+    KVTransferConfig,
+    Transfer,
+    TransferState,
+    make_receiver,
+    make_sender,
+)
 from kv_transfer.factory import select_backend
 from kv_transfer.staging import split_batches
+
+from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
+from .peers import SMOLLM2, config_for, make_pool
 
 LAYOUT = KVLayout(dtype="float32", **SMOLLM2)
 
