@@ -261,3 +261,49 @@ def test_cpu_and_cuda_pools_refuse_each_other(fake_cuda, thread_guard):
         assert t.wait(10) == TransferState.FAILED
         assert "incompatible KV layout (device: ours='cuda' peer='cpu')" in t.error, t.error
     assert dst.tobytes() == before
+
+
+def test_cuda_copier_code_on_cpu_tensors(fake_cuda, monkeypatch, thread_guard):
+    """CudaCopier's own code (byte views of the pool, per-run slices, copy directions,
+    stream ordering, events) run on CPU tensors, with the CUDA stream API shimmed."""
+    torch = pytest.importorskip("torch")
+    import contextlib
+
+    import kv_transfer.staging as staging
+    calls = []
+
+    class Stream:
+        def __init__(self, device=None):
+            calls.append(("stream", str(device)))
+
+        def wait_stream(self, other):
+            calls.append(("wait_stream", other))
+
+    class Event:
+        def record(self, stream):
+            calls.append(("record", type(stream).__name__))
+
+        def synchronize(self):
+            calls.append(("synchronize",))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: "default")
+    monkeypatch.setattr(staging.CudaCopier, "alloc", lambda self, n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setitem(staging.COPIERS, "cuda", staging.CudaCopier)
+    layout = KVLayout(**{**LAYOUT.to_dict(), "dtype": "bfloat16", "device": "cuda"})
+    src, dst = make_pool(layout, 12, 1, "torch"), make_pool(layout, 12, 2, "torch")
+    fake_cuda.update({id(src), id(dst)})
+    cfg = KVTransferConfig(backend="tcp", staging_chunk_bytes=3 * layout.block_nbytes)
+    remote, local = [11, 0, 1, 2, 6, 7, 3], [4, 5, 6, 0, 1, 9, 10]
+    with make_sender(src, layout, cfg) as s, make_receiver(dst, layout, cfg) as r:
+        assert s.backend_name == r.backend_name == "tcp-staged"
+        s.expect("g", remote)
+        t = r.read(s.peer_info(), "g", remote, local, timeout_s=30)
+        assert t.wait(30) == TransferState.DONE, t.error
+    assert torch.equal(dst[local].view(torch.int16), src[remote].view(torch.int16))
+    assert ("wait_stream", "default") in calls  # copies ordered after the engine's queued work
+    # 7 blocks in batches of 3 -> 3 batches per side, one event each, all waited for
+    assert sum(c[0] == "record" for c in calls) == 6
+    assert sum(c[0] == "synchronize" for c in calls) == 6
