@@ -34,6 +34,14 @@ CUDA_BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_N
 LABEL = {"tcp": "tcp-staged", "nixl": "nixl"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cuda_initialized():
+    """Start CUDA (and pinned memory) in this process before any test's leak baseline is taken."""
+    torch.zeros(1, device="cuda")
+    torch.empty(1, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.synchronize()
+
+
 def _layout() -> KVLayout:
     return KVLayout(dtype="bfloat16", **LLAMA_1B)
 
