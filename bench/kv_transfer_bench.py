@@ -1,18 +1,34 @@
 """Benchmark of kv_transfer: bandwidth and latency per backend vs memcpy.
 
 Two processes: a child hosts the sender (prefill side) with a pool of random
-KV blocks in the SmolLM2-135M shape; this process hosts the receiver (decode
-side) and times ``read()`` -> DONE (which includes the sender's ack) for
-random, non-contiguous block-id sets of 1, 16, 256 and 4,096 blocks, plus the
-128 blocks of one 2,048-token prompt. The reference is a plain memcpy
-(``numpy.copyto``) of the same number of bytes in this process, in the same run;
-``pvm_readv`` is the kernel's own cross-process copy (``process_vm_readv`` of the
-same blocks from the sender process, what UCX's ``cma`` transport uses), the
-ceiling for any zero-copy path between two processes on one host.
+KV blocks; this process hosts the receiver (decode side) and times ``read()`` ->
+DONE (which includes the sender's ack) for random, non-contiguous block-id
+sets. Every pull is checked bit-exact against the sender's pool (rebuilt here
+from its seed), outside the timed region.
+
+``--device cpu`` (default): SmolLM2-135M block shape, 1, 16, 256 and 4,096
+blocks plus the 128 blocks of one 2,048-token prompt. The reference is a plain
+memcpy (``numpy.copyto``) of the same number of bytes in this process, in the
+same run; ``pvm_readv`` is the kernel's own cross-process copy
+(``process_vm_readv`` of the same blocks from the sender process, what UCX's
+``cma`` transport uses), the ceiling for any zero-copy path between two
+processes on one host.
+
+``--device cuda``: both pools on the GPU (two processes on one GPU), Llama-1B
+block shape (16 layers, 8 KV heads, head dim 64, block 16, bf16: 512 KiB a
+block), 1, 16, 128 and 1,024 blocks. Backends ``nixl`` (VRAM; ``cuda_ipc``
+between the processes) when it imports, and ``tcp``, which on a CUDA pool is the
+pinned-host staging fallback (``tcp-staged``). References, same run, same
+blocks: a device-to-device gather (``index_select``) in this process, and
+pinned-host memcpy (device->host and host->device) of the same bytes, the
+ceiling of the staging path's copies. (``tcp-staged`` on ``--device cpu`` runs
+the staging pipeline on host pools: its cost over plain ``tcp``.)
 
     PYTHONPATH=. .venv/bin/python bench/kv_transfer_bench.py \
-        [--backends nixl,tcp] [--dtype bfloat16] [--sizes 1,16,256,4096] \
+        [--device cpu|cuda] [--backends nixl,tcp[,tcp-staged]] [--dtype bfloat16] [--sizes 1,16,256,4096] \
         [--json bench/results/kv_transfer.json]
+
+Every child process and every pipe read is bounded by a timeout.
 """
 
 from __future__ import annotations
@@ -35,10 +51,21 @@ from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver
 
 SMOLLM2 = dict(model_id="HuggingFaceTB/SmolLM2-135M-Instruct", block_size=16, num_layers=30,
                num_kv_heads=3, head_dim=64)
+LLAMA_1B = dict(model_id="llama-1b-shape", block_size=16, num_layers=16, num_kv_heads=8, head_dim=64)
 PROMPT_TOKENS = 2048
+PIPE_TIMEOUT_S = 180.0
+PULL_TIMEOUT_S = 120.0
 
 
-def _pool(layout: KVLayout, num_blocks: int, seed: int) -> np.ndarray:
+def _pool(layout: KVLayout, num_blocks: int, seed: int):
+    """Deterministic pool of random bits on ``layout.device`` (rebuilt from the seed to verify)."""
+    if layout.device == "cuda":
+        import torch
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(seed)
+        raw = torch.randint(0, 256, (num_blocks * layout.block_nbytes,), dtype=torch.uint8, device="cuda",
+                            generator=gen)
+        return raw.view(getattr(torch, layout.dtype)).reshape(layout.shape(num_blocks))
     dtype = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}[layout.dtype]
     pool = np.empty(layout.shape(num_blocks), dtype)
     flat = pool.reshape(-1).view(np.uint8)
@@ -50,13 +77,39 @@ def _pool(layout: KVLayout, num_blocks: int, seed: int) -> np.ndarray:
     return pool
 
 
+def _addr(pool) -> int:
+    return int(pool.data_ptr()) if hasattr(pool, "data_ptr") else int(pool.ctypes.data)
+
+
+def _config(backend: str) -> KVTransferConfig:
+    """``tcp-staged``: the TCP path through host staging buffers even for a host pool."""
+    if backend == "tcp-staged":
+        return KVTransferConfig(backend="tcp", staging="always")
+    return KVTransferConfig(backend=backend)
+
+
+def _recv(conn, proc, timeout: float = PIPE_TIMEOUT_S):
+    """``conn.recv()`` that gives up after ``timeout`` seconds, or at once when ``proc`` died."""
+    end = time.monotonic() + timeout
+    while not conn.poll(0.5):
+        if not proc.is_alive():
+            raise RuntimeError(f"the sender process died (exit code {proc.exitcode})")
+        if time.monotonic() > end:
+            raise TimeoutError(f"no answer from the sender process in {timeout:.0f}s")
+    return conn.recv()
+
+
 def _sender_main(conn, backend: str, layout_dict: dict, num_blocks: int) -> None:
-    layout = KVLayout(**layout_dict)
-    pool = _pool(layout, num_blocks, 1)
-    sender = make_sender(pool, layout, KVTransferConfig(backend=backend))
-    conn.send((sender.peer_info(), int(pool.ctypes.data)))
+    try:
+        layout = KVLayout(**layout_dict)
+        pool = _pool(layout, num_blocks, 1)
+        sender = make_sender(pool, layout, _config(backend))
+        conn.send(("ok", (sender.peer_info(), sender.backend_name, _addr(pool))))
+    except Exception as e:
+        conn.send(("err", repr(e)))
+        return
     held = []
-    while True:
+    while conn.poll(PIPE_TIMEOUT_S * 4):  # the parent is gone if it stays silent this long
         msg = conn.recv()
         if msg is None:
             break
@@ -66,6 +119,27 @@ def _sender_main(conn, backend: str, layout_dict: dict, num_blocks: int) -> None
         conn.send(len(held))
     sender.close()
     conn.send(sender.stats())
+
+
+class _Verifier:
+    """Checks that local blocks equal the sender's blocks (bit for bit)."""
+
+    def __init__(self, layout: KVLayout, recv_pool, pool_blocks: int) -> None:
+        self.src = _pool(layout, pool_blocks, 1)  # the sender's pool, rebuilt from its seed
+        self.recv = recv_pool
+        self.cuda = layout.device == "cuda"
+        if not self.cuda:
+            self.src_blocks = self.src.reshape(pool_blocks, -1).view(np.uint8)
+            self.recv_blocks = recv_pool.reshape(pool_blocks, -1).view(np.uint8)
+
+    def check(self, remote: list[int], local: list[int]) -> bool:
+        if self.cuda:
+            import torch
+            ri = torch.tensor(remote, device="cuda")
+            li = torch.tensor(local, device="cuda")
+            return bool(torch.equal(self.recv.view(torch.int16)[li], self.src.view(torch.int16)[ri]))
+        pairs = zip(remote, local, strict=True)
+        return all(np.array_equal(self.recv_blocks[lo], self.src_blocks[r]) for r, lo in pairs)
 
 
 def _time_memcpy(dst: np.ndarray, src: np.ndarray, n: int, reps: int) -> float:
@@ -103,41 +177,53 @@ def _time_process_vm_readv(pid: int, remote_base: int, dst: np.ndarray, block_nb
     return dt
 
 
-def _reps(n: int) -> int:
+def _reps(n: int, cuda: bool = False) -> int:
+    if cuda:
+        return 50 if n == 1 else 20 if n <= 16 else 10 if n <= 128 else 5
     return 200 if n == 1 else 50 if n <= 16 else 10 if n <= 256 else 3
 
 
-def run_backend(backend: str, layout: KVLayout, sizes: list[int], pool_blocks: int,
-                recv_pool: np.ndarray, rng: np.random.Generator) -> dict:
+def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], pool_blocks: int,
+                recv_pool, verifier: _Verifier, rng: np.random.Generator) -> dict:
+    cuda = layout.device == "cuda"
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_sender_main, args=(child, backend, layout.to_dict(), pool_blocks),
-                       daemon=True)
+    proc = ctx.Process(target=_sender_main, args=(child, backend, layout.to_dict(), pool_blocks), daemon=True)
     proc.start()
+    child.close()
+    recv = None
     try:
-        info, remote_base = conn.recv()
-        recv = make_receiver(recv_pool, layout, KVTransferConfig(backend=backend))
-        results = {}
-        for label, n in [(str(n), n) for n in sizes] + [("prompt", PROMPT_TOKENS // layout.block_size)]:
-            reps = _reps(n)
+        status, value = _recv(conn, proc)
+        if status != "ok":
+            raise RuntimeError(f"sender could not start: {value}")
+        info, sender_backend, remote_base = value
+        recv = make_receiver(recv_pool, layout, _config(backend))
+        results = {"sender_backend": sender_backend, "receiver_backend": recv.backend_name,
+                   "receiver_selection": recv.selection}
+        for label, n in cases:
+            reps = _reps(n, cuda)
             plan = [(f"{backend}-{label}-{i}", rng.choice(pool_blocks, n, replace=False).tolist(),
                      rng.choice(pool_blocks, n, replace=False).tolist()) for i in range(reps + 2)]
             conn.send([(tid, remote) for tid, remote, _ in plan])
-            conn.recv()
+            _recv(conn, proc)
             times = []
             for i, (tid, remote, local) in enumerate(plan):
                 t0 = time.perf_counter()
-                t = recv.read(info, tid, remote, local, timeout_s=600)
-                state = t.wait(600)
+                t = recv.read(info, tid, remote, local, timeout_s=PULL_TIMEOUT_S)
+                state = t.wait(PULL_TIMEOUT_S + 5)
                 dt = time.perf_counter() - t0
                 if state != TransferState.DONE:
                     raise RuntimeError(f"{tid}: {state.name} {t.error}")
+                if not verifier.check(remote, local):
+                    raise RuntimeError(f"{tid}: blocks differ from the sender's after the pull")
                 if i >= 2:  # two warm-up transfers (connection, first touch)
                     times.append(dt)
             med = statistics.median(times)
             nbytes = n * layout.block_nbytes
             results[label] = {"blocks": n, "bytes": nbytes, "reps": reps, "median_s": med,
-                              "min_s": min(times), "gb_per_s": nbytes / med / 1e9}
+                              "min_s": min(times), "gb_per_s": nbytes / med / 1e9, "verified": len(plan)}
+            if cuda:
+                continue
             try:
                 cma = statistics.median(
                     _time_process_vm_readv(proc.pid, remote_base, recv_pool, layout.block_nbytes,
@@ -147,55 +233,85 @@ def run_backend(backend: str, layout: KVLayout, sizes: list[int], pool_blocks: i
                 results[label]["process_vm_readv_error"] = repr(e)
         recv.close()
         conn.send(None)
-        leak = conn.recv()
+        leak = _recv(conn, proc)
         if recv.stats()["in_flight"] or leak["in_flight"] or leak.get("registered_regions"):
             raise RuntimeError(f"leak after benchmark: {recv.stats()} {leak}")
         return results
     finally:
+        if recv is not None:
+            recv.close()
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+            proc.join(10)
+        conn.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backends", default="nixl,tcp")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    ap.add_argument("--sizes", default="1,16,256,4096")
-    ap.add_argument("--json", default="bench/results/kv_transfer.json")
-    args = ap.parse_args()
-    layout = KVLayout(dtype=args.dtype, **SMOLLM2)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    pool_blocks = max(sizes + [PROMPT_TOKENS // layout.block_size])
-    rng = np.random.default_rng(0)
-    recv_pool = _pool(layout, pool_blocks, 2)
+def cpu_references(layout: KVLayout, cases: list[tuple[str, int]], pool_blocks: int, recv_pool) -> dict:
     memcpy_src = _pool(layout, pool_blocks, 3)
     memcpy = {}
-    for label, n in [(str(n), n) for n in sizes] + [("prompt", PROMPT_TOKENS // layout.block_size)]:
+    for label, n in cases:
         med = _time_memcpy(recv_pool, memcpy_src, n, max(3, _reps(n)))
         memcpy[label] = {"blocks": n, "bytes": n * layout.block_nbytes, "median_s": med,
                          "gb_per_s": n * layout.block_nbytes / med / 1e9}
-    del memcpy_src
-    out = {"layout": layout.to_dict(), "block_nbytes": layout.block_nbytes, "memcpy": memcpy,
-           "host": {"cpus": os.cpu_count(), "python": platform.python_version()}, "backends": {}}
-    for backend in args.backends.split(","):
-        try:
-            out["backends"][backend] = run_backend(backend, layout, sizes, pool_blocks, recv_pool, rng)
-        except Exception as e:  # e.g. nixl not installed
-            out["backends"][backend] = {"error": repr(e)}
-    print(f"kv_transfer benchmark: {args.dtype}, block = {layout.block_nbytes:,} bytes "
-          f"(SmolLM2-135M, 16 tokens), random non-contiguous block ids, median of reps")
+    return memcpy
+
+
+def cuda_references(layout: KVLayout, cases: list[tuple[str, int]], pool_blocks: int, recv_pool,
+                    rng: np.random.Generator) -> dict:
+    """Device-to-device gather of random blocks, and pinned-host memcpy both ways, per size."""
+    import torch
+    bs = layout.block_nbytes
+    blocks = recv_pool.view(torch.uint8).reshape(pool_blocks, bs)
+    max_n = max(n for _, n in cases)
+    scratch = torch.empty((max_n, bs), dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(max_n * bs, dtype=torch.uint8, pin_memory=True)
+    flat = scratch.view(-1)
+
+    def timed(fn, reps: int) -> float:
+        times = []
+        for i in range(reps + 2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def gather(idx, n: int):
+        return lambda: torch.index_select(blocks, 0, idx, out=scratch[:n])
+
+    def copy(dst, src):
+        return lambda: dst.copy_(src, non_blocking=True)
+
+    refs = {}
+    for label, n in cases:
+        nbytes = n * bs
+        idx = torch.tensor(rng.choice(pool_blocks, n, replace=False), device="cuda")
+        reps = _reps(n, cuda=True)
+        t_gather = timed(gather(idx, n), reps)
+        t_d2h = timed(copy(pinned[:nbytes], flat[:nbytes]), reps)
+        t_h2d = timed(copy(flat[:nbytes], pinned[:nbytes]), reps)
+        refs[label] = {"blocks": n, "bytes": nbytes, "d2d_gather_gb_per_s": nbytes / t_gather / 1e9,
+                       "d2d_gather_median_s": t_gather, "pinned_d2h_gb_per_s": nbytes / t_d2h / 1e9,
+                       "pinned_h2d_gb_per_s": nbytes / t_h2d / 1e9}
+    return refs
+
+
+def _print_cpu(out: dict, dtype: str, block_nbytes: int) -> None:
+    print(f"kv_transfer benchmark: {dtype}, block = {block_nbytes:,} bytes "
+          f"(SmolLM2-135M, 16 tokens), random non-contiguous block ids, median of reps, every pull verified")
     head = f"{'blocks':>8} {'MB':>9} {'memcpy GB/s':>12} {'pvm_readv':>10}"
     for b in out["backends"]:
         head += f" {b + ' GB/s':>10} {b + ' ms':>10} {'%memcpy':>8}"
     print(head)
-    for label, m in memcpy.items():
-        pvr = [r[label].get("process_vm_readv_gb_per_s") for r in out["backends"].values()
-               if "error" not in r]
+    for label, m in out["memcpy"].items():
+        pvr = [r[label].get("process_vm_readv_gb_per_s") for r in out["backends"].values() if "error" not in r]
         pvr = [v for v in pvr if v]
         row = (f"{(label if label != 'prompt' else '2048tok'):>8} {m['bytes'] / 1e6:>9.2f} "
                f"{m['gb_per_s']:>12.2f} {(f'{max(pvr):.2f}' if pvr else 'n/a'):>10}")
-        for b, res in out["backends"].items():
+        for res in out["backends"].values():
             if "error" in res:
                 row += f" {'n/a':>10} {'n/a':>10} {'':>8}"
                 continue
@@ -203,13 +319,79 @@ def main() -> None:
             row += (f" {r['gb_per_s']:>10.2f} {r['median_s'] * 1e3:>10.3f}"
                     f" {100 * r['gb_per_s'] / m['gb_per_s']:>7.0f}%")
         print(row)
+
+
+def _print_cuda(out: dict, block_nbytes: int) -> None:
+    print(f"kv_transfer benchmark, CUDA pools in two processes on one GPU ({out['host'].get('gpu')}): bfloat16, "
+          f"block = {block_nbytes:,} bytes (Llama-1B shape, 16 tokens), random non-contiguous block ids, "
+          "median of reps, every pull verified bit-exact")
+    head = f"{'blocks':>7} {'MB':>8} {'d2d gather':>11} {'pinned D2H':>11} {'pinned H2D':>11}"
+    names = {b: (res.get("receiver_backend") or b) for b, res in out["backends"].items()}
+    for b in out["backends"]:
+        head += f" {names[b] + ' GB/s':>16} {names[b] + ' ms':>14}"
+    print(head + "   (GB/s unless marked)")
+    for label, ref in out["references"].items():
+        row = (f"{label:>7} {ref['bytes'] / 1e6:>8.2f} {ref['d2d_gather_gb_per_s']:>11.1f} "
+               f"{ref['pinned_d2h_gb_per_s']:>11.1f} {ref['pinned_h2d_gb_per_s']:>11.1f}")
+        for res in out["backends"].values():
+            if "error" in res:
+                row += f" {'n/a':>16} {'n/a':>14}"
+                continue
+            r = res[label]
+            row += f" {r['gb_per_s']:>16.2f} {r['median_s'] * 1e3:>14.3f}"
+        print(row)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backends", default="nixl,tcp")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--sizes", default=None, help="block counts (default cpu: 1,16,256,4096; cuda: 1,16,128,1024)")
+    ap.add_argument("--json", default=None, help="default bench/results/kv_transfer[_cuda].json")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    if cuda:
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: no CUDA device")
+        layout = KVLayout(dtype="bfloat16", device="cuda", **LLAMA_1B)
+        sizes = [int(s) for s in (args.sizes or "1,16,128,1024").split(",")]
+        cases = [(str(n), n) for n in sizes]
+        pool_blocks = max(2 * max(sizes), 64)  # room for random, non-contiguous picks
+    else:
+        layout = KVLayout(dtype=args.dtype, **SMOLLM2)
+        sizes = [int(s) for s in (args.sizes or "1,16,256,4096").split(",")]
+        cases = [(str(n), n) for n in sizes] + [("prompt", PROMPT_TOKENS // layout.block_size)]
+        pool_blocks = max(n for _, n in cases)
+    json_path = args.json or f"bench/results/kv_transfer{'_cuda' if cuda else ''}.json"
+    rng = np.random.default_rng(0)
+    recv_pool = _pool(layout, pool_blocks, 2)
+    host = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    out = {"device": args.device, "layout": layout.to_dict(), "block_nbytes": layout.block_nbytes,
+           "pool_blocks": pool_blocks, "host": host, "backends": {}}
+    if cuda:
+        import torch
+        host.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+        out["references"] = cuda_references(layout, cases, pool_blocks, recv_pool, rng)
+    else:
+        out["memcpy"] = cpu_references(layout, cases, pool_blocks, recv_pool)
+    verifier = _Verifier(layout, recv_pool, pool_blocks)
+    for backend in args.backends.split(","):
+        try:
+            out["backends"][backend] = run_backend(backend, layout, cases, pool_blocks, recv_pool, verifier, rng)
+        except Exception as e:  # e.g. nixl not installed
+            out["backends"][backend] = {"error": repr(e)}
+    if cuda:
+        _print_cuda(out, layout.block_nbytes)
+    else:
+        _print_cpu(out, args.dtype, layout.block_nbytes)
     for b, res in out["backends"].items():
-        if "error" in res:
-            print(f"{b}: {res['error']}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
+        print(f"{b}: {res['error']}" if "error" in res else f"{b}: {res['receiver_selection']}")
+    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+    with open(json_path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {args.json}")
+    print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@ See README.md in this folder. Entry points: :func:`make_sender`,
 
 from .base import KVReceiver, KVSender
 from .config import KVTransferConfig
-from .errors import (BackendUnavailableError, IncompatiblePeerError, KVTransferError,
-                     TransferRefusedError)
+from .errors import BackendUnavailableError, IncompatiblePeerError, KVTransferError, TransferRefusedError
 from .factory import make_receiver, make_sender
 from .layout import PROTOCOL_VERSION, KVLayout
 from .state import TransferState

@@ -14,7 +14,8 @@ and the sender has confirmed it still held the blocks.
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .layout import KVLayout
 from .memory import KVRegion
@@ -25,8 +26,18 @@ class KVSender(abc.ABC):
     """Prefill side: registers KV memory, serves reads of leased blocks."""
 
     backend_name: str = ""
+    """Data path this side was built for: ``"nixl"``, ``"tcp"`` or ``"tcp-staged"`` (TCP
+    through host staging buffers: a CUDA pool, or ``staging="always"``)."""
+    selection: str = ""
+    """How the factory chose it: ``"<backend>: <reason>"``."""
+    selection_reason: str = ""
+    """The reason alone (logged, and exported as ``pdserve:kv_transfer_backend_info``)."""
     layout: KVLayout
     region: KVRegion
+
+    def backend_info(self) -> dict[str, str]:
+        """``{"backend", "reason"}``: the data path and why it was chosen."""
+        return {"backend": self.backend_name, "reason": self.selection_reason}
 
     @abc.abstractmethod
     def peer_info(self) -> dict[str, Any]:
@@ -38,7 +49,7 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def expect(self, transfer_id: str, block_ids: Sequence[int],
-               timeout_s: Optional[float] = None) -> Transfer:
+               timeout_s: float | None = None) -> Transfer:
         """Expose ``block_ids`` for ``transfer_id`` until read, aborted or expired."""
 
     @abc.abstractmethod
@@ -49,7 +60,7 @@ class KVSender(abc.ABC):
     def close(self) -> None:
         """Abort everything, close sockets, deregister memory. Idempotent."""
 
-    def __enter__(self) -> "KVSender":
+    def __enter__(self) -> KVSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -60,13 +71,23 @@ class KVReceiver(abc.ABC):
     """Decode side: reads remote blocks into local blocks."""
 
     backend_name: str = ""
+    """Data path this side was built for: ``"nixl"``, ``"tcp"`` or ``"tcp-staged"`` (TCP
+    through host staging buffers: a CUDA pool, or ``staging="always"``)."""
+    selection: str = ""
+    """How the factory chose it: ``"<backend>: <reason>"``."""
+    selection_reason: str = ""
+    """The reason alone (logged, and exported as ``pdserve:kv_transfer_backend_info``)."""
     layout: KVLayout
     region: KVRegion
+
+    def backend_info(self) -> dict[str, str]:
+        """``{"backend", "reason"}``: the data path and why it was chosen."""
+        return {"backend": self.backend_name, "reason": self.selection_reason}
 
     @abc.abstractmethod
     def read(self, peer_info: dict[str, Any], transfer_id: str,
              remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             timeout_s: Optional[float] = None) -> Transfer:
+             timeout_s: float | None = None) -> Transfer:
         """Start pulling ``remote_block_ids`` into ``local_block_ids``; returns at once.
 
         Pass only the blocks this engine lacks; an empty list still tells the
@@ -81,7 +102,7 @@ class KVReceiver(abc.ABC):
     def close(self) -> None:
         """Abort everything, close sockets, deregister memory. Idempotent."""
 
-    def __enter__(self) -> "KVReceiver":
+    def __enter__(self) -> KVReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:

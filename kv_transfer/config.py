@@ -6,6 +6,7 @@ import dataclasses
 import socket
 
 BACKENDS = ("auto", "nixl", "tcp")
+STAGING = ("auto", "always")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,7 +14,8 @@ class KVTransferConfig:
     """Settings shared by both sides; validated on construction."""
 
     backend: str = "auto"
-    """``"auto"`` (NIXL if it imports and a self-test works, else TCP), ``"nixl"`` or ``"tcp"``."""
+    """``"auto"`` (NIXL if it imports and a self-test works, else TCP), ``"nixl"`` or ``"tcp"``.
+    TCP moves CUDA KV too, through pinned host staging buffers (see ``staging``)."""
     host: str = "127.0.0.1"
     """Address the sender's control listener binds to."""
     port: int = 0
@@ -35,6 +37,12 @@ class KVTransferConfig:
     """Let NIXL run its own progress thread (off: progress on ``check_xfer_state``)."""
     nixl_self_test: bool = True
     """With ``backend="auto"``, run a loopback NIXL transfer before choosing NIXL."""
+    staging: str = "auto"
+    """TCP data path: ``"auto"`` stages only device (CUDA) memory through host buffers;
+    ``"always"`` stages host memory too (runs the staging pipeline on CPU: tests, benchmarks)."""
+    staging_chunk_bytes: int = 8 << 20
+    """Bytes per staging buffer (two per transfer in progress; rounded down to whole blocks,
+    at least one): the unit of the copy/socket pipeline."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -48,6 +56,10 @@ class KVTransferConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.socket_buffer_bytes != 0 and self.socket_buffer_bytes < 4096:
             raise ValueError("socket_buffer_bytes must be 0 (kernel autotuning) or >= 4096")
+        if self.staging not in STAGING:
+            raise ValueError(f"staging must be one of {STAGING}, got {self.staging!r}")
+        if self.staging_chunk_bytes <= 0:
+            raise ValueError("staging_chunk_bytes must be > 0")
         if not self.nixl_backends:
             raise ValueError("nixl_backends must name at least one backend")
         object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))

@@ -1,76 +1,119 @@
 """Backend selection: ``make_sender`` / ``make_receiver``.
 
 ``backend="auto"`` builds the NIXL side when nixl imports and a loopback
-self-test transfer on that very agent succeeds; otherwise it falls back to TCP.
-The choice and its reason are logged at INFO (and kept in ``.selection``).
+self-test transfer on that very agent succeeds; otherwise it falls back to TCP,
+which moves any pool (CUDA KV through pinned host staging buffers), so ``auto``
+never refuses a pool. The decision itself is :func:`select_backend` (pure); the
+choice and its reason are logged at INFO and kept in ``.selection`` /
+``.selection_reason`` (``backend_info()``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from .base import KVReceiver, KVSender
 from .config import KVTransferConfig
+from .errors import BackendUnavailableError
 from .layout import KVLayout
+from .memory import KVRegion
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
 
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Outcome of :func:`select_backend`."""
+
+    backend: str
+    """``"nixl"`` or ``"tcp"``."""
+    staged: bool
+    """TCP through host staging buffers (device memory, or ``staging="always"``)."""
+    reason: str
+    """Why, for logs and the ``kv_transfer_backend_info`` metric."""
+
+    @property
+    def label(self) -> str:
+        """``"nixl"``, ``"tcp"`` or ``"tcp-staged"`` (the side's ``backend_name``)."""
+        return "tcp-staged" if self.backend == "tcp" and self.staged else self.backend
+
+
+def select_backend(requested: str, device: str, nixl_problem: str | None,
+                   nixl_reason: str = "nixl imports and its loopback self-test transfer succeeded",
+                   staging: str = "auto") -> Selection:
+    """The data path of a side whose pool lives on ``device`` (``"cpu"``/``"cuda"``).
+
+    ``nixl_problem`` is None when a NIXL side was built (and passed its self-test,
+    if asked), else why not; it is ignored when ``requested == "tcp"``. Raises
+    :class:`BackendUnavailableError` only when NIXL was requested and cannot run.
+    """
+    staged = staging == "always" or device != "cpu"
+    how = ""
+    if device != "cpu":
+        how = f"; {device.upper()} KV moves through pinned host staging buffers"
+    elif staged:
+        how = "; host KV staged through host buffers (staging='always')"
+    if requested == "tcp":
+        return Selection("tcp", staged, "requested by config" + how)
+    if nixl_problem is None:
+        return Selection("nixl", False, "requested by config" if requested == "nixl" else nixl_reason)
+    if requested == "nixl":
+        raise BackendUnavailableError(nixl_problem)
+    return Selection("tcp", staged, nixl_problem + how)
+
+
 def make_sender(kv_cache: Any, layout: KVLayout,
-                config: Optional[KVTransferConfig] = None) -> KVSender:
+                config: KVTransferConfig | None = None) -> KVSender:
     """Sender (prefill side) over ``kv_cache`` with the configured backend."""
     return _make("sender", kv_cache, layout, config or KVTransferConfig())
 
 
 def make_receiver(kv_cache: Any, layout: KVLayout,
-                  config: Optional[KVTransferConfig] = None) -> KVReceiver:
+                  config: KVTransferConfig | None = None) -> KVReceiver:
     """Receiver (decode side) over ``kv_cache`` with the configured backend."""
     return _make("receiver", kv_cache, layout, config or KVTransferConfig())
 
 
 def _make(role: str, kv_cache: Any, layout: KVLayout, config: KVTransferConfig):
-    from .tcp_backend import TcpReceiver, TcpSender
-    if config.backend == "tcp":
-        return _chosen(TcpSender if role == "sender" else TcpReceiver,
-                       kv_cache, layout, config, "requested by config")
-    from .errors import BackendUnavailableError
+    device = KVRegion.from_buffer(kv_cache, layout).device  # a bad pool is the caller's error
+    side, problem, reason = None, None, ""
+    if config.backend != "tcp":
+        side, problem, reason = _try_nixl(role, kv_cache, layout, config)
+    selection = select_backend(config.backend, device, problem, reason, config.staging)
+    if selection.backend == "tcp":
+        from .tcp_backend import TcpReceiver, TcpSender
+        side = (TcpSender if role == "sender" else TcpReceiver)(kv_cache, layout, config)
+    side.selection_reason = selection.reason
+    side.selection = f"{side.backend_name}: {selection.reason}"
+    logger.info("kv_transfer %s: backend %s (%s)", role, side.backend_name, selection.reason)
+    return side
+
+
+def _try_nixl(role: str, kv_cache: Any, layout: KVLayout,
+              config: KVTransferConfig) -> tuple[Any, str | None, str]:
+    """Build (and with ``auto``, self-test) the NIXL side: ``(side, problem, reason)``.
+    With ``backend="nixl"`` a NIXL side that cannot start raises instead."""
+    requested = config.backend == "nixl"
     try:
         from .nixl_backend import NixlReceiver, NixlSender
         side = (NixlSender if role == "sender" else NixlReceiver)(kv_cache, layout, config)
     except BackendUnavailableError as e:
-        if config.backend == "nixl":
+        if requested:
             raise
-        return _chosen(TcpSender if role == "sender" else TcpReceiver,
-                       kv_cache, layout, config, f"nixl unavailable: {e}")
+        return None, f"nixl unavailable: {e}", ""
     except ValueError:
         raise  # a bad kv_cache/layout is the caller's error on any backend
     except Exception as e:
-        if config.backend == "nixl":
+        if requested:
             raise BackendUnavailableError(f"nixl {role} could not start: {e!r}") from e
-        return _chosen(TcpSender if role == "sender" else TcpReceiver,
-                       kv_cache, layout, config, f"nixl {role} could not start: {e!r}")
-    if config.backend == "nixl":
-        side.selection = "nixl: requested by config"
-        logger.info("kv_transfer %s: backend nixl (requested by config)", role)
-        return side
-    if config.nixl_self_test:
-        try:
-            side.self_test()
-        except Exception as e:
-            side.close()
-            return _chosen(TcpSender if role == "sender" else TcpReceiver,
-                           kv_cache, layout, config, f"nixl self-test failed: {e!r}")
-        reason = "nixl imports and its loopback self-test transfer succeeded"
-    else:
-        reason = "nixl imports (self-test disabled)"
-    side.selection = f"nixl: {reason}"
-    logger.info("kv_transfer %s: backend nixl (%s)", role, reason)
-    return side
-
-
-def _chosen(cls, kv_cache: Any, layout: KVLayout, config: KVTransferConfig, reason: str):
-    side = cls(kv_cache, layout, config)
-    side.selection = f"{side.backend_name}: {reason}"
-    logger.info("kv_transfer %s: backend %s (%s)", type(side).__name__, side.backend_name, reason)
-    return side
+        return None, f"nixl {role} could not start: {e!r}", ""
+    if requested or not config.nixl_self_test:
+        return side, None, "nixl imports (self-test disabled)"
+    try:
+        side.self_test()
+    except Exception as e:
+        side.close()
+        return None, f"nixl self-test failed: {e!r}", ""
+    return side, None, "nixl imports and its loopback self-test transfer succeeded"

@@ -3,7 +3,9 @@
 The engine keeps one contiguous tensor ``kv_cache`` of shape
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
 ("block_major"): one block (all layers, K and V) is one contiguous byte range,
-so a transfer is one descriptor per block.
+so a transfer is one descriptor per block. The device kind of the pool ("cpu"
+or "cuda") is part of the layout, so a CPU pool and a CUDA pool have different
+compatibility hashes and refuse each other at the handshake.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import dataclasses
 import hashlib
 import json
 
-#: Wire protocol version; bump on any incompatible change of the messages.
-PROTOCOL_VERSION = 1
+#: Wire protocol version; bump on any incompatible change of the messages
+#: (2: the layout carries the pool's device kind).
+PROTOCOL_VERSION = 2
 
 #: Bytes per element for the dtypes we accept.
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
 
 LAYOUTS = ("block_major",)
+
+#: Device kinds a KV pool may live on.
+DEVICES = ("cpu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +45,8 @@ class KVLayout:
     """Dimension of one head."""
     layout: str = "block_major"
     """Memory layout name; only ``"block_major"`` is defined."""
+    device: str = "cpu"
+    """Device kind of the pool: ``"cpu"`` or ``"cuda"`` (not the device index: two GPUs interoperate)."""
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -51,6 +59,8 @@ class KVLayout:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} not one of {LAYOUTS}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} not one of {DEVICES}")
 
     @property
     def itemsize(self) -> int:
@@ -68,23 +78,24 @@ class KVLayout:
         return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @classmethod
-    def of_kv_cache(cls, kv_cache: object, model_id: str) -> "KVLayout":
+    def of_kv_cache(cls, kv_cache: object, model_id: str) -> KVLayout:
         """Layout of an engine's ``kv_cache`` tensor (or numpy array) of shape
-        ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+        ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, device kind included."""
         shape = tuple(int(d) for d in kv_cache.shape)
         if len(shape) != 6 or shape[2] != 2:
             raise ValueError(f"kv_cache shape {shape} is not [num_blocks, num_layers, 2, "
                              "block_size, num_kv_heads, head_dim]")
         dtype = str(kv_cache.dtype).removeprefix("torch.")
+        device = getattr(getattr(kv_cache, "device", None), "type", "cpu")
         return cls(model_id=model_id, dtype=dtype, block_size=shape[3], num_layers=shape[1],
-                   num_kv_heads=shape[4], head_dim=shape[5])
+                   num_kv_heads=shape[4], head_dim=shape[5], device=device)
 
     def to_dict(self) -> dict:
         """Plain dict (JSON-able)."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "KVLayout":
+    def from_dict(cls, data: dict) -> KVLayout:
         """Inverse of :meth:`to_dict`."""
         return cls(**data)
 
@@ -93,7 +104,7 @@ class KVLayout:
         canon = json.dumps({"v": PROTOCOL_VERSION, **self.to_dict()}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
-    def describe_mismatch(self, other: "KVLayout") -> str:
+    def describe_mismatch(self, other: KVLayout) -> str:
         """Human-readable list of the fields that differ from ``other``."""
         diffs = [f"{k}: ours={v!r} peer={getattr(other, k)!r}"
                  for k, v in self.to_dict().items() if getattr(other, k) != v]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,12 +42,20 @@ class KVRegion:
         """True when the blocks live in GPU memory."""
         return self.device == "cuda"
 
+    @property
+    def is_host(self) -> bool:
+        """True when the blocks are plain host memory (a memoryview can address them)."""
+        return self.device == "cpu"
+
     @classmethod
-    def from_buffer(cls, buf: Any, layout: KVLayout) -> "KVRegion":
-        """Wrap ``buf`` after checking its shape, dtype and contiguity."""
+    def from_buffer(cls, buf: Any, layout: KVLayout) -> KVRegion:
+        """Wrap ``buf`` after checking its shape, dtype, contiguity and device kind."""
+        device, device_id = device_of(buf)
+        if device != layout.device:
+            raise ValueError(f"kv_cache is on {device} but the layout says device {layout.device!r}")
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(buf, torch.Tensor):
-            return cls._from_torch(buf, layout)
+            return cls._from_torch(buf, layout, device, device_id)
         if not isinstance(buf, np.ndarray):
             buf = np.frombuffer(buf, dtype=np.uint8)  # raises on non-buffers
             if buf.nbytes % layout.block_nbytes:
@@ -63,10 +72,10 @@ class KVRegion:
             num_blocks = buf.shape[0]
         if not buf.flags["C_CONTIGUOUS"]:
             raise ValueError("KV buffer must be C-contiguous")
-        return cls(buf, layout, int(buf.ctypes.data), int(buf.nbytes), int(num_blocks), "cpu", 0)
+        return cls(buf, layout, int(buf.ctypes.data), int(buf.nbytes), int(num_blocks), device, device_id)
 
     @classmethod
-    def _from_torch(cls, t: Any, layout: KVLayout) -> "KVRegion":
+    def _from_torch(cls, t: Any, layout: KVLayout, device: str, device_id: int) -> KVRegion:
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype != layout.dtype:
             raise ValueError(f"tensor dtype {dtype} != layout dtype {layout.dtype}")
@@ -75,11 +84,8 @@ class KVRegion:
                              f"[num_blocks, {', '.join(map(str, layout.shape(0)[1:]))}]")
         if not t.is_contiguous():
             raise ValueError("kv_cache tensor must be contiguous")
-        device = "cuda" if t.is_cuda else "cpu"
-        if device == "cpu" and t.device.type != "cpu":
-            raise ValueError(f"unsupported device {t.device}")
         return cls(t, layout, int(t.data_ptr()), int(t.numel() * t.element_size()),
-                   int(t.shape[0]), device, int(t.device.index or 0))
+                   int(t.shape[0]), device, device_id)
 
     def block_addr(self, block_id: int) -> int:
         """Address of block ``block_id``."""
@@ -96,9 +102,9 @@ class KVRegion:
         return ids
 
     def memview(self) -> memoryview:
-        """Writable byte view of the whole region (CPU only)."""
-        if self.is_cuda:
-            raise ValueError("no host memoryview of CUDA memory")
+        """Writable byte view of the whole region (host memory only)."""
+        if not self.is_host:
+            raise ValueError(f"no host memoryview of {self.device} memory")
         arr = (ctypes.c_ubyte * self.nbytes).from_address(self.addr)
         return memoryview(arr).cast("B")
 
@@ -118,3 +124,15 @@ class KVRegion:
         if start is not None:
             views.append(mv[start * bs:(prev + 1) * bs])
         return views
+
+
+def device_of(buf: Any) -> tuple[str, int]:
+    """``(device kind, device index)`` of a KV buffer: ``("cuda", i)`` for a CUDA tensor,
+    ``("cpu", 0)`` for host memory; raises ``ValueError`` on other devices."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor):
+        if buf.is_cuda:
+            return "cuda", int(buf.device.index or 0)
+        if buf.device.type != "cpu":
+            raise ValueError(f"unsupported device {buf.device}")
+    return "cpu", 0

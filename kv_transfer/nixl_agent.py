@@ -24,6 +24,8 @@ logger = logging.getLogger("pdserve.kv_transfer")
 #: Poll back-to-back for this long before backing off to sleeps (see the pump and the READ loop).
 SPIN_S = 0.5
 
+_thread_device = threading.local()
+
 def block_descs(base: int, block_nbytes: int, num_blocks: int, dev_id: int) -> np.ndarray:
     descs = np.empty((num_blocks, 3), dtype=np.uint64)
     descs[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_nbytes)
@@ -49,14 +51,29 @@ class NixlAgent:
                 f"no NIXL backend among {config.nixl_backends} could be created "
                 f"(plugins: {self.agent.plugin_list})")
         self.lock = threading.Lock()
+        self.cuda_device: int | None = None
         self.registered: list[Any] = []
         self.prepped: list[Any] = []
         self.remote_agents: set[str] = set()
         self.live_xfers = 0
 
+    # CUDA --------------------------------------------------------------------
+    def use_cuda(self, device_id: int) -> None:
+        """The KV pool is on GPU ``device_id``: every thread calling NIXL makes that device
+        (its primary CUDA context) current first, as UCX's CUDA transports expect."""
+        self.cuda_device = device_id
+        self._bind()
+
+    def _bind(self) -> None:
+        if self.cuda_device is not None and getattr(_thread_device, "id", None) != self.cuda_device:
+            import torch
+            torch.cuda.set_device(self.cuda_device)
+            _thread_device.id = self.cuda_device
+
     # memory ------------------------------------------------------------------
     def register(self, addr: int, nbytes: int, dev_id: int, mem: str) -> Any:
         """Register one memory region (``DRAM`` or ``VRAM``)."""
+        self._bind()
         with self.lock:
             reg = self.agent.register_memory([(addr, nbytes, dev_id, "")], mem)
             self.registered.append(reg)
@@ -84,6 +101,7 @@ class NixlAgent:
     # peers ---------------------------------------------------------------------
     def add_remote(self, metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its name."""
+        self._bind()
         with self.lock:
             name = self.agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
@@ -101,6 +119,7 @@ class NixlAgent:
     def start_read(self, local_prep: Any, local_ids: list[int], remote_prep: Any,
                    remote_ids: list[int]) -> tuple[Any, str]:
         """Post a READ of remote blocks into local blocks; returns (handle, first state)."""
+        self._bind()
         with self.lock:
             handle = self.agent.make_prepped_xfer(
                 "READ", local_prep, np.asarray(local_ids, dtype=np.int32),
@@ -117,6 +136,7 @@ class NixlAgent:
 
     def state(self, handle: Any) -> str:
         """``PROC``, ``DONE`` or an error string (also drives progress)."""
+        self._bind()
         with self.lock:
             try:
                 return self.agent.check_xfer_state(handle)
@@ -143,29 +163,49 @@ class NixlAgent:
         self.live_xfers -= 1
 
     def self_test(self) -> None:
-        """Loopback READ of a small buffer inside this agent; raises on any failure."""
+        """Loopback READs of a small buffer inside this agent, DRAM and (when the pool is
+        on a GPU, see :meth:`use_cuda`) VRAM; raises on any failure."""
         src = np.arange(8192, dtype=np.uint8) % 251
         dst = np.zeros_like(src)
-        regs = [self.register(int(a.ctypes.data), a.nbytes, 0, "DRAM") for a in (src, dst)]
+        self._loopback(int(src.ctypes.data), int(dst.ctypes.data), src.nbytes, 0, "DRAM")
+        if not np.array_equal(src, dst):
+            raise RuntimeError("loopback DRAM transfer delivered wrong bytes")
+        if self.cuda_device is not None:
+            import torch
+            dev = torch.device("cuda", self.cuda_device)
+            src_t = (torch.arange(8192, device=dev) % 251).to(torch.uint8)
+            dst_t = torch.zeros_like(src_t)
+            torch.cuda.synchronize(dev)
+            self._loopback(src_t.data_ptr(), dst_t.data_ptr(), 8192, self.cuda_device, "VRAM")
+            if not torch.equal(src_t, dst_t):
+                raise RuntimeError("loopback VRAM transfer delivered wrong bytes")
+
+    def _loopback(self, src: int, dst: int, nbytes: int, dev_id: int, mem: str) -> None:
+        """READ ``src`` into ``dst`` (two halves, swapped order) through this agent itself."""
+        regs = [self.register(addr, nbytes, dev_id, mem) for addr in (src, dst)]
         preps = []
         try:
-            half = src.nbytes // 2
-            preps.append(self.prep("NIXL_INIT_AGENT", block_descs(int(dst.ctypes.data), half, 2, 0), "DRAM"))
-            preps.append(self.prep(self.name, block_descs(int(src.ctypes.data), half, 2, 0), "DRAM"))
+            half = nbytes // 2
+            preps.append(self.prep("NIXL_INIT_AGENT", block_descs(dst, half, 2, dev_id), mem))
+            preps.append(self.prep(self.name, block_descs(src, half, 2, dev_id), mem))
             handle, st = self.start_read(preps[0], [1, 0], preps[1], [1, 0])
             end = time.monotonic() + 5
             while st == "PROC" and time.monotonic() < end:
                 st = self.state(handle)
             self.release(handle)
             if st != "DONE":
-                raise RuntimeError(f"loopback transfer ended in state {st}")
-            if not np.array_equal(src, dst):
-                raise RuntimeError("loopback transfer delivered wrong bytes")
+                raise RuntimeError(f"loopback {mem} transfer ended in state {st}")
         finally:
             for p in preps:
                 self.release_prep(p)
             for r in regs:
                 self.deregister(r)
+
+    def progress(self) -> None:
+        """Drive UCX progress (and collect notifications) once."""
+        self._bind()
+        with self.lock:
+            self.agent.get_new_notifs()
 
     def stats(self) -> dict[str, int]:
         """Live counts of everything this agent holds."""
@@ -242,6 +282,5 @@ class ProgressPump:
                 if self._closed:
                     return
                 spin = self._holds > 0 and time.monotonic() - self._busy_since < SPIN_S
-            with self._nixl.lock:
-                self._nixl.agent.get_new_notifs()
+            self._nixl.progress()
             time.sleep(0 if spin else 0.00005)

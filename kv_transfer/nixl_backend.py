@@ -1,6 +1,8 @@
 """NIXL backend: the receiver READs the sender's registered KV memory via UCX.
 
-Both pools are registered once (DRAM for CPU memory, VRAM for CUDA tensors).
+Both pools are registered once (DRAM for CPU memory, VRAM for CUDA tensors, with
+the GPU made current in every thread that calls NIXL; the self-test then also
+READs VRAM). On one host UCX moves VRAM between two processes with ``cuda_ipc``.
 Descriptor lists with one entry per block are prepared once: the local pool at
 construction, a sender's pool when the receiver first connects to it. A
 transfer is then ``make_prepped_xfer("READ", local, local_ids, remote,
@@ -21,7 +23,7 @@ import logging
 import select
 import socket
 import time
-from typing import Any, Optional
+from typing import Any
 
 from .config import KVTransferConfig
 from .layout import KVLayout
@@ -48,6 +50,8 @@ class NixlSender(ControlSender):
         region = KVRegion.from_buffer(kv_cache, layout)  # validate before the costly agent
         self.nixl = NixlAgent("send", config)
         try:
+            if region.is_cuda:
+                self.nixl.use_cuda(region.device_id)
             self._reg = self.nixl.register(region.addr, region.nbytes, region.device_id,
                                            _mem_type(region))
             self._metadata = self.nixl.agent.get_agent_metadata()
@@ -94,10 +98,11 @@ class NixlReceiver(ControlReceiver):
     modes = ("nixl", "tcp")
 
     def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
-        super().__init__(kv_cache, layout, config)
-        r = self.region
+        r = KVRegion.from_buffer(kv_cache, layout)  # validate before the costly agent
         self.nixl = NixlAgent("recv", config)
         try:
+            if r.is_cuda:
+                self.nixl.use_cuda(r.device_id)
             self._reg = self.nixl.register(r.addr, r.nbytes, r.device_id, _mem_type(r))
             self._local = self.nixl.prep("NIXL_INIT_AGENT",
                                          block_descs(r.addr, r.block_nbytes, r.num_blocks, r.device_id),
@@ -105,6 +110,7 @@ class NixlReceiver(ControlReceiver):
         except Exception:
             self.nixl.close()
             raise
+        super().__init__(kv_cache, layout, config)  # only now the reaper thread starts
 
     def self_test(self) -> None:
         """See :meth:`NixlAgent.self_test`."""
@@ -185,7 +191,7 @@ class NixlReceiver(ControlReceiver):
         self.nixl.close()
 
 
-def _peer_closed(sock: Optional[socket.socket], wait: float) -> bool:
+def _peer_closed(sock: socket.socket | None, wait: float) -> bool:
     """Sleep up to ``wait`` on the control socket; True if the peer hung up."""
     if sock is None:
         return True

@@ -20,13 +20,15 @@ import collections
 import logging
 import socket
 import threading
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .base import KVReceiver
 from .config import KVTransferConfig
 from .errors import IncompatiblePeerError, TransferRefusedError
 from .layout import PROTOCOL_VERSION, KVLayout
 from .memory import KVRegion
+from .staging import make_staging
 from .tcp_path import pull_blocks
 from .transfer import Transfer, TransferTable
 from .wire import recv_msg, send_msg, tune_socket
@@ -37,13 +39,13 @@ logger = logging.getLogger("pdserve.kv_transfer")
 class PeerLink:
     """Control connection + worker thread for one sender instance."""
 
-    def __init__(self, owner: "ControlReceiver", peer_info: dict[str, Any], mode: str) -> None:
+    def __init__(self, owner: ControlReceiver, peer_info: dict[str, Any], mode: str) -> None:
         self.owner = owner
         self.mode = mode
         self.host = str(peer_info["host"])
         self.port = int(peer_info["port"])
         self.instance_id = peer_info.get("instance_id")
-        self.sock: Optional[socket.socket] = None
+        self.sock: socket.socket | None = None
         self.hello: dict = {}
         self.backend_state: Any = None
         self._queue: collections.deque[Transfer] = collections.deque()
@@ -152,7 +154,7 @@ class PeerLink:
             t.set_interrupt(None)
             self._send_abort(t)
             return
-        error: Optional[str] = None
+        error: str | None = None
         nbytes = 0
         try:
             sock = self.sock
@@ -165,7 +167,7 @@ class PeerLink:
                 raise ConnectionError(f"unexpected reply {reply}")
             t.set_transferring()
             if self.mode == "tcp":
-                nbytes = pull_blocks(sock, self.owner.region, t, reply)
+                nbytes = pull_blocks(sock, self.owner.region, t, reply, self.owner.staging)
             else:
                 nbytes = self.owner._pull(self, t, reply)
             send_msg(sock, {"type": "done", "tid": t.transfer_id})
@@ -213,6 +215,8 @@ class ControlReceiver(KVReceiver):
         self.config = config
         self.layout = layout
         self.region = KVRegion.from_buffer(kv_cache, layout)
+        #: Host buffers the tcp data path stages device memory through (None: host pool).
+        self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes)
         self._table = TransferTable("recv")
         self._links: dict[tuple, PeerLink] = {}
         self._closing: list[threading.Thread] = []
@@ -239,7 +243,7 @@ class ControlReceiver(KVReceiver):
     # -- public API -------------------------------------------------------------
     def read(self, peer_info: dict[str, Any], transfer_id: str,
              remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             timeout_s: Optional[float] = None) -> Transfer:
+             timeout_s: float | None = None) -> Transfer:
         if self._closed:
             raise RuntimeError("receiver is closed")
         mode = self._mode_for(peer_info)
@@ -268,6 +272,7 @@ class ControlReceiver(KVReceiver):
             "transfers_done": self._table.num_done,
             "transfers_failed": self._table.num_failed,
             "registered_regions": 0,
+            **(self.staging.stats() if self.staging is not None else {}),
             **self._backend_stats(),
         }
 
@@ -283,16 +288,17 @@ class ControlReceiver(KVReceiver):
             link.close()
         for thread in self._closing:
             thread.join(timeout=10)
+        if self.staging is not None:
+            self.staging.close()
         self._close_backend()
 
     def _mode_for(self, peer_info: dict[str, Any]) -> str:
-        """First of our modes the peer serves (tcp only for CPU memory)."""
+        """First of our modes the peer serves (tcp stages device memory on either side)."""
         offered = peer_info.get("modes") or [peer_info.get("backend")]
         for mode in self.modes:
-            if mode in offered and not (mode == "tcp" and self.region.is_cuda):
+            if mode in offered:
                 return mode
-        raise ValueError(f"no common data path: peer serves {offered}, this receiver "
-                         f"{list(self.modes)}{' (CUDA pool)' if self.region.is_cuda else ''}")
+        raise ValueError(f"no common data path: peer serves {offered}, this receiver {list(self.modes)}")
 
     def _link_for(self, peer_info: dict[str, Any], mode: str) -> PeerLink:
         key = (str(peer_info["host"]), int(peer_info["port"]))

@@ -21,12 +21,14 @@ import logging
 import socket
 import threading
 import uuid
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .base import KVSender
 from .config import KVTransferConfig
 from .layout import PROTOCOL_VERSION, KVLayout
 from .memory import KVRegion
+from .staging import make_staging
 from .state import TransferState
 from .tcp_path import serve_blocks
 from .transfer import Transfer, TransferTable
@@ -47,6 +49,8 @@ class ControlSender(KVSender):
         self.config = config
         self.layout = layout
         self.region = KVRegion.from_buffer(kv_cache, layout)
+        #: Host buffers the tcp data path stages device memory through (None: host pool).
+        self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes)
         self.instance_id = uuid.uuid4().hex
         self._table = TransferTable(f"send-{self.instance_id[:6]}")
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -85,7 +89,7 @@ class ControlSender(KVSender):
         }
 
     def expect(self, transfer_id: str, block_ids: Sequence[int],
-               timeout_s: Optional[float] = None) -> Transfer:
+               timeout_s: float | None = None) -> Transfer:
         if self._closed:
             raise RuntimeError("sender is closed")
         ids = self.region.check_ids(block_ids, f"expect({transfer_id!r})")
@@ -105,6 +109,7 @@ class ControlSender(KVSender):
             "transfers_done": self._table.num_done,
             "transfers_failed": self._table.num_failed,
             "registered_regions": 0,
+            **(self.staging.stats() if self.staging is not None else {}),
             **self._backend_stats(),
         }
 
@@ -122,6 +127,8 @@ class ControlSender(KVSender):
             _shutdown(sock)
         for _, thread in conns:
             thread.join(timeout=2)
+        if self.staging is not None:
+            self.staging.close()
         self._close_backend()
 
     # -- connection handling ----------------------------------------------------
@@ -141,7 +148,7 @@ class ControlSender(KVSender):
                 self._conns[sock] = thread
             thread.start()
 
-    def _check_hello(self, hello: dict) -> Optional[str]:
+    def _check_hello(self, hello: dict) -> str | None:
         if hello.get("type") != "hello":
             return f"expected hello, got {hello.get('type')!r}"
         if hello.get("version") != PROTOCOL_VERSION:
@@ -149,8 +156,6 @@ class ControlSender(KVSender):
                     f"receiver {hello.get('version')!r}")
         if hello.get("backend") not in self.modes:
             return f"backend mismatch: sender serves {list(self.modes)}, receiver asks {hello.get('backend')!r}"
-        if hello.get("backend") == "tcp" and self.region.is_cuda:
-            return "the tcp data path cannot serve CUDA memory"
         if hello.get("compat_hash") != self.layout.compat_hash():
             try:
                 detail = self.layout.describe_mismatch(KVLayout.from_dict(hello["layout"]))
@@ -230,7 +235,7 @@ class ControlSender(KVSender):
         ids = [int(b) for b in blocks]
         send_msg(sock, {"type": "grant", "tid": tid, "nbytes": len(ids) * self.region.block_nbytes})
         if mode == "tcp":
-            serve_blocks(sock, self.region, t, ids)
+            serve_blocks(sock, self.region, t, ids, self.staging)
         else:
             self._serve_grant(sock, t, ids)
 

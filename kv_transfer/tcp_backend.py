@@ -1,8 +1,9 @@
 """TCP backend: a sender/receiver that speaks only the TCP data path.
 
 The data path itself lives in :mod:`tcp_path` (every side speaks it, so a NIXL
-side can still exchange blocks with a TCP-only peer). CPU memory only: a CUDA
-pool needs the NIXL backend.
+side can still exchange blocks with a TCP-only peer). Any pool: host memory
+goes to the socket directly, CUDA memory through pinned host staging buffers
+(:mod:`staging`); such a side reports ``backend_name == "tcp-staged"``.
 """
 
 from __future__ import annotations
@@ -11,14 +12,8 @@ from typing import Any
 
 from .config import KVTransferConfig
 from .layout import KVLayout
-from .memory import KVRegion
 from .receiver import ControlReceiver
 from .sender import ControlSender
-
-
-def _require_cpu(kv_cache: Any, layout: KVLayout) -> None:
-    if KVRegion.from_buffer(kv_cache, layout).is_cuda:
-        raise ValueError("the tcp backend moves CPU memory only; use backend='nixl' for CUDA KV")
 
 
 class TcpSender(ControlSender):
@@ -28,16 +23,18 @@ class TcpSender(ControlSender):
     modes = ("tcp",)
 
     def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
-        _require_cpu(kv_cache, layout)
         super().__init__(kv_cache, layout, config)
+        if self.staging is not None:
+            self.backend_name = "tcp-staged"
 
 
 class TcpReceiver(ControlReceiver):
-    """Receives granted blocks straight into the local KV pool."""
+    """Receives granted blocks into the local KV pool (directly, or via staging buffers)."""
 
     backend_name = "tcp"
     modes = ("tcp",)
 
     def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
-        _require_cpu(kv_cache, layout)
         super().__init__(kv_cache, layout, config)
+        if self.staging is not None:
+            self.backend_name = "tcp-staged"

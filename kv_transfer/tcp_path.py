@@ -1,11 +1,20 @@
-"""The TCP data path, spoken by every sender and receiver on CPU memory.
+"""The TCP data path, spoken by every sender and receiver.
 
 After ``grant`` the sender writes the granted blocks on the control connection
-with scatter-gather ``sendmsg`` from memoryviews of its pool (runs of
-consecutive block ids merged); the receiver ``recvmsg_into``-s them straight
-into its destination blocks. No Python-level copy of block bytes. Both sides
-bracket the I/O with ``begin_io``/``end_io`` and install a socket shutdown as
-the transfer's interrupt, so abort and deadline stop it at once.
+and the receiver reads them, in the order of the block ids. Host memory goes
+to the socket directly: scatter-gather ``sendmsg`` from memoryviews of the pool
+(runs of consecutive block ids merged) and ``recvmsg_into`` straight into the
+destination blocks, no Python-level copy. Device (CUDA) memory goes through a
+:class:`~kv_transfer.staging.Stager`'s two host buffers, pipelined:
+
+    sender:   copy batch 0 -> [copy batch k+1 | send batch k] -> ...
+    receiver: recv batch 0 -> [copy batch k to the device | recv batch k+1] -> ...
+
+The bytes on the wire are the same either way, so a staged side and a direct
+side talk to each other. Both sides bracket the I/O with ``begin_io``/``end_io``
+and install a socket shutdown as the transfer's interrupt, so abort and
+deadline stop it at once; a staged side waits for its copies in flight before
+``end_io`` (terminal still means the blocks are no longer touched).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import socket
 
 from .memory import KVRegion
+from .staging import NUM_BUFFERS, Stager, StagingPool
 from .transfer import Transfer
 from .wire import recv_into_views, send_views
 
@@ -24,23 +34,72 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: list[int]) -> None:
-    """Sender: stream ``block_ids`` of ``region``; counts the bytes on ``t``."""
-    views = region.block_views(block_ids)
+def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: list[int],
+                 staging: StagingPool | None = None) -> None:
+    """Sender: stream ``block_ids`` of ``region`` (staged when ``staging`` is given);
+    counts the bytes on ``t``."""
+    stager = staging.acquire() if staging is not None and block_ids else None
     t.set_interrupt(lambda _t: _shutdown(sock))
     if not t.begin_io():
         t.set_interrupt(None)
+        if stager is not None:
+            staging.release(stager)
         raise InterruptedError("transfer stopped before sending")
     try:
-        t.bytes_moved += send_views(sock, views, should_stop=lambda: t.stop_requested)
+        if stager is None:
+            t.bytes_moved += send_views(sock, region.block_views(block_ids),
+                                        should_stop=lambda: t.stop_requested)
+        else:
+            try:
+                t.bytes_moved += _send_staged(sock, stager, block_ids, lambda: t.stop_requested)
+            finally:
+                stager.settle()
+                staging.release(stager)
     finally:
         t.set_interrupt(None)
         t.end_io()
 
 
-def pull_blocks(sock: socket.socket, region: KVRegion, t: Transfer, grant: dict) -> int:
-    """Receiver: fill ``t``'s local blocks from the stream (caller holds ``begin_io``)."""
+def pull_blocks(sock: socket.socket, region: KVRegion, t: Transfer, grant: dict,
+                staging: StagingPool | None = None) -> int:
+    """Receiver: fill ``t``'s local blocks from the stream (caller holds ``begin_io``);
+    staged when ``staging`` is given. Returns the bytes read."""
     expected = len(t.block_ids) * region.block_nbytes
     if int(grant.get("nbytes", -1)) != expected:
         raise ConnectionError(f"grant announces {grant.get('nbytes')} bytes, expected {expected}")
-    return recv_into_views(sock, region.block_views(t.block_ids), should_stop=lambda: t.stop_requested)
+    if staging is None or not t.block_ids:
+        return recv_into_views(sock, region.block_views(t.block_ids), should_stop=lambda: t.stop_requested)
+    stager = staging.acquire()
+    try:
+        return _recv_staged(sock, stager, list(t.block_ids), lambda: t.stop_requested)
+    finally:
+        stager.settle()
+        staging.release(stager)
+
+
+def _send_staged(sock: socket.socket, stager: Stager, block_ids: list[int], should_stop) -> int:
+    """Pool -> buffer k % 2 -> socket; the copy of batch k+1 runs while batch k is sent."""
+    batches = stager.batches(block_ids)
+    stager.start()
+    stager.to_host(0, batches[0])
+    total = 0
+    for k, batch in enumerate(batches):
+        i = k % NUM_BUFFERS
+        if k + 1 < len(batches):  # that buffer's previous batch (k-1) is already sent
+            stager.to_host((k + 1) % NUM_BUFFERS, batches[k + 1])
+        stager.wait(i)
+        total += send_views(sock, [stager.views[i][:batch.nbytes]], should_stop=should_stop)
+    return total
+
+
+def _recv_staged(sock: socket.socket, stager: Stager, block_ids: list[int], should_stop) -> int:
+    """Socket -> buffer k % 2 -> pool; the copy of batch k runs while batch k+1 arrives."""
+    stager.start()
+    total = 0
+    for k, batch in enumerate(stager.batches(block_ids)):
+        i = k % NUM_BUFFERS
+        stager.wait(i)  # batch k-2 has left this buffer
+        total += recv_into_views(sock, [stager.views[i][:batch.nbytes]], should_stop=should_stop)
+        stager.to_device(i, batch)
+    stager.settle()  # the blocks are in place before the transfer can turn DONE
+    return total

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from .state import TransferState
 
@@ -25,16 +25,16 @@ class Transfer:
 
     def __init__(self, transfer_id: str, role: str, block_ids: Sequence[int], timeout_s: float,
                  abort_wait_s: float = 2.0,
-                 interrupt: Optional[Callable[["Transfer"], None]] = None,
-                 on_finish: Optional[Callable[["Transfer", TransferState], None]] = None) -> None:
+                 interrupt: Callable[[Transfer], None] | None = None,
+                 on_finish: Callable[[Transfer, TransferState], None] | None = None) -> None:
         self.transfer_id = transfer_id
         self.role = role
         self.block_ids: tuple[int, ...] = tuple(block_ids)
         self.created = time.monotonic()
         self.deadline = self.created + timeout_s
-        self.finished_at: Optional[float] = None
+        self.finished_at: float | None = None
         self.bytes_moved = 0
-        self.error: Optional[str] = None
+        self.error: str | None = None
         self._abort_wait_s = abort_wait_s
         self._interrupt = interrupt
         self._on_finish = on_finish
@@ -44,9 +44,9 @@ class Transfer:
         self._idle = threading.Event()
         self._idle.set()
         self._busy = False
-        self._stop_reason: Optional[str] = None
+        self._stop_reason: str | None = None
         self._finishing = False
-        self._hooks: list[Callable[["Transfer"], None]] = []
+        self._hooks: list[Callable[[Transfer], None]] = []
         self.granted_nbytes = 0
 
     def __repr__(self) -> str:
@@ -76,7 +76,7 @@ class Transfer:
                          self.transfer_id, self._abort_wait_s)
         return self._state
 
-    def wait(self, timeout: Optional[float] = None) -> TransferState:
+    def wait(self, timeout: float | None = None) -> TransferState:
         """Block until terminal, the deadline, or ``timeout``; returns the state."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -92,12 +92,12 @@ class Transfer:
             self._finished.wait(min(step, 0.05))
 
     @property
-    def elapsed_s(self) -> Optional[float]:
+    def elapsed_s(self) -> float | None:
         """Seconds from creation to the terminal state."""
         return None if self.finished_at is None else self.finished_at - self.created
 
     # -- backend side -------------------------------------------------------
-    def add_finish_hook(self, fn: Callable[["Transfer"], None]) -> None:
+    def add_finish_hook(self, fn: Callable[[Transfer], None]) -> None:
         """Call ``fn(self)`` when the transfer turns terminal (at once if it already is)."""
         with self._lock:
             if not (self._state.is_terminal or self._finishing):
@@ -105,7 +105,7 @@ class Transfer:
                 return
         fn(self)
 
-    def set_interrupt(self, fn: Optional[Callable[["Transfer"], None]]) -> None:
+    def set_interrupt(self, fn: Callable[[Transfer], None] | None) -> None:
         """Install the callable that breaks the backend's blocking I/O on stop."""
         self._interrupt = fn
 
@@ -172,7 +172,7 @@ class Transfer:
         """Terminal FAILED with ``reason`` (the backend must have let go of the blocks)."""
         return self._finish(TransferState.FAILED, reason)
 
-    def _finish(self, state: TransferState, error: Optional[str]) -> bool:
+    def _finish(self, state: TransferState, error: str | None) -> bool:
         with self._lock:
             if self._state.is_terminal or self._finishing:
                 return False
@@ -211,7 +211,7 @@ class TransferTable:
                 raise ValueError(f"transfer id {t.transfer_id!r} already in flight")
             self._items[t.transfer_id] = t
 
-    def get(self, transfer_id: str) -> Optional[Transfer]:
+    def get(self, transfer_id: str) -> Transfer | None:
         """The live transfer with this id, if any."""
         with self._lock:
             return self._items.get(transfer_id)

@@ -38,9 +38,10 @@ COUNTERS = [
 class WorkerStatsCollector:
     """Turns the engine loop's stats snapshot into metric families at every scrape."""
 
-    def __init__(self, loop, role: str, address: str) -> None:
+    def __init__(self, loop, role: str, address: str, kv_backend: dict[str, str] | None = None) -> None:
         self.loop = loop
         self.labels = [role, address]
+        self.kv_backend = kv_backend
 
     def collect(self):
         stats = dict(self.loop.stats)
@@ -58,12 +59,21 @@ class WorkerStatsCollector:
             family = CounterMetricFamily(f"pdserve:{name}", doc, labels=names)
             family.add_metric(self.labels, float(stats.get(key, 0)))
             yield family
+        if self.kv_backend is not None:
+            info = GaugeMetricFamily(
+                "pdserve:kv_transfer_backend_info",
+                "KV transfer data path this worker chose (nixl, tcp, tcp-staged) and why; always 1",
+                labels=[*names, "backend", "reason"])
+            info.add_metric([*self.labels, self.kv_backend.get("backend", ""), self.kv_backend.get("reason", "")], 1.0)
+            yield info
 
 
 class WorkerMetrics:
-    def __init__(self, loop, role: str, address: str) -> None:
+    def __init__(self, loop, role: str, address: str, kv_backend: dict[str, str] | None = None) -> None:
+        """``kv_backend``: the transfer side's ``backend_info()`` (``{"backend", "reason"}``),
+        exported as ``pdserve:kv_transfer_backend_info``."""
         self.registry = CollectorRegistry()
-        self.registry.register(WorkerStatsCollector(loop, role, address))
+        self.registry.register(WorkerStatsCollector(loop, role, address, kv_backend))
         self.transfer_time = Histogram(
             "pdserve:kv_transfer_time_seconds", "Decode: one KV pull, from its start to DONE",
             ["role", "worker"], registry=self.registry, buckets=TRANSFER_BUCKETS).labels(role, address)

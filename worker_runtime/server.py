@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 
@@ -70,7 +70,8 @@ class WorkerServer:
         worker_pb2_grpc.add_WorkerServicer_to_server(self._servicer, self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
         if config.metrics_port is not None:
-            self._metrics = WorkerMetrics(self._loop_thread, config.role, self.address)
+            self._metrics = WorkerMetrics(self._loop_thread, config.role, self.address,
+                                          self._transfer_side.backend_info())
             self.metrics_port = self._metrics.serve(config.host, config.metrics_port)
         await self._server.start()
         await set_serving(self._health, [SERVICE], True)

@@ -12,20 +12,24 @@ import pytest
 from .peers import SMOLLM2, run_peer
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
-BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed"))]
+#: "tcp-staged" is the TCP data path through host staging buffers (what a CUDA pool uses),
+#: run on CPU pools with ``staging="always"``: same pipeline, host copies instead of CUDA ones.
+BACKENDS = ["tcp", "tcp-staged",
+            pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed"))]
 
 
 class Peer:
     """Handle on a child process hosting one kv_transfer side."""
 
     def __init__(self, role: str, backend: str, num_blocks: int = 64, seed: int = 1,
-                 fault: str = "", dtype: str = "float32", lib: str = "numpy", **layout_overrides):
+                 fault: str = "", dtype: str = "float32", lib: str = "numpy", config: dict | None = None,
+                 **layout_overrides):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.stalled, self.unstall = ctx.Event(), ctx.Event()
         self.layout = {**SMOLLM2, "dtype": dtype, **layout_overrides}
         spec = dict(role=role, backend=backend, num_blocks=num_blocks, seed=seed, fault=fault,
-                    layout=self.layout, lib=lib)
+                    layout=self.layout, lib=lib, config=config or {})
         self.proc = ctx.Process(target=run_peer, args=(child, spec, self.stalled, self.unstall),
                                 daemon=True)
         self.proc.start()
@@ -71,8 +75,10 @@ def assert_no_leak(stats: dict, closed: bool = False) -> None:
     """Nothing in flight; after close also nothing registered, prepared or connected."""
     assert stats["in_flight"] == 0, stats
     assert stats.get("nixl_xfers", 0) == 0, stats
+    assert stats.get("staging_in_use", 0) == 0, stats
     if closed:
-        for key in ("registered_regions", "prepped_dlists", "remote_agents", "connections", "links"):
+        for key in ("registered_regions", "prepped_dlists", "remote_agents", "connections", "links",
+                    "staging_sets"):
             assert stats.get(key, 0) == 0, (key, stats)
         assert stats.get("extra_threads", 0) <= 0, stats
 

@@ -19,8 +19,24 @@ SMOLLM2 = dict(model_id="HuggingFaceTB/SmolLM2-135M-Instruct", block_size=16,
                num_layers=30, num_kv_heads=3, head_dim=64)
 
 
+def config_for(backend: str, **overrides):
+    """KVTransferConfig of a test backend name ("tcp-staged": tcp with staging="always")."""
+    from kv_transfer import KVTransferConfig
+    if backend == "tcp-staged":
+        return KVTransferConfig(backend="tcp", staging="always", **overrides)
+    return KVTransferConfig(backend=backend, **overrides)
+
+
 def make_pool(layout, num_blocks: int, seed: int, lib: str = "numpy"):
-    """Deterministic pool of random bits (same seed -> same bytes in any process)."""
+    """Deterministic pool of random bits (same seed -> same bytes in any process; for
+    ``lib="cuda"``, in any process on the same kind of GPU)."""
+    if lib == "cuda":
+        import torch
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(seed)
+        raw = torch.randint(0, 256, (num_blocks * layout.block_nbytes,), dtype=torch.uint8,
+                            device="cuda", generator=gen)
+        return raw.view(getattr(torch, layout.dtype)).reshape(layout.shape(num_blocks))
     raw = np.random.default_rng(seed).integers(0, 256, num_blocks * layout.block_nbytes,
                                                dtype=np.uint8)
     if lib == "torch":
@@ -31,10 +47,10 @@ def make_pool(layout, num_blocks: int, seed: int, lib: str = "numpy"):
 
 
 def pool_bytes(pool) -> memoryview:
-    """Byte view of a numpy or torch pool."""
+    """Byte view of a numpy or torch pool (a host copy of a CUDA one)."""
     if isinstance(pool, np.ndarray):
         return memoryview(pool).cast("B")
-    return memoryview(pool.view(-1).view(__import__("torch").uint8).numpy())
+    return memoryview(pool.reshape(-1).view(__import__("torch").uint8).cpu().numpy())
 
 
 def block_digest(pool, block_nbytes: int, ids) -> list[str]:
@@ -72,8 +88,8 @@ def _install_fault(fault: str, stalled, unstall) -> None:
             stall()
         ControlSender._handle_read = handle_read
     elif fault == "stall_in_pull":  # receiver hangs while pulling
-        import kv_transfer.receiver as rc
         import kv_transfer.nixl_backend as nb
+        import kv_transfer.receiver as rc
         orig_tcp_pull = rc.pull_blocks
 
         def tcp_pull(*a, **k):
@@ -93,11 +109,11 @@ def _install_fault(fault: str, stalled, unstall) -> None:
 def run_peer(conn, spec: dict, stalled, unstall) -> None:
     """Child main: build the side described by ``spec`` and serve commands."""
     try:
-        from kv_transfer import KVLayout, KVTransferConfig, make_receiver, make_sender
+        from kv_transfer import KVLayout, make_receiver, make_sender
         _install_fault(spec.get("fault", ""), stalled, unstall)
         layout = KVLayout(**spec["layout"])
         pool = make_pool(layout, spec["num_blocks"], spec["seed"], spec.get("lib", "numpy"))
-        cfg = KVTransferConfig(backend=spec["backend"])
+        cfg = config_for(spec["backend"], **spec.get("config", {}))
         side = (make_sender if spec["role"] == "sender" else make_receiver)(pool, layout, cfg)
         threads_before = threading.active_count()
         conn.send(("ok", {"pid": os.getpid(), "peer_info": getattr(side, "peer_info", dict)(),

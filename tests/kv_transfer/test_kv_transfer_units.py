@@ -5,15 +5,26 @@ test_kv_transfer_two_process.py."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import numpy as np
 import pytest
 
+from kv_transfer import (
+    BackendUnavailableError,
+    KVLayout,
+    KVTransferConfig,
+    Transfer,
+    TransferState,
+    make_receiver,
+    make_sender,
+)
+from kv_transfer.factory import select_backend
+from kv_transfer.staging import split_batches
+
 from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
-from .peers import SMOLLM2, make_pool
-from kv_transfer import (KVLayout, KVTransferConfig, Transfer, TransferState, make_receiver,
-                         make_sender)
+from .peers import SMOLLM2, config_for, make_pool
 
 LAYOUT = KVLayout(dtype="float32", **SMOLLM2)
 
@@ -39,12 +50,14 @@ def test_layout_hash_covers_every_field():
     base = LAYOUT.compat_hash()
     assert base == KVLayout(dtype="float32", **SMOLLM2).compat_hash()
     for field, value in [("model_id", "other"), ("dtype", "bfloat16"), ("block_size", 32),
-                         ("num_layers", 29), ("num_kv_heads", 2), ("head_dim", 128)]:
+                         ("num_layers", 29), ("num_kv_heads", 2), ("head_dim", 128), ("device", "cuda")]:
         other = KVLayout(**{**LAYOUT.to_dict(), field: value})
         assert other.compat_hash() != base, field
         assert field in LAYOUT.describe_mismatch(other)
     with pytest.raises(ValueError):
         KVLayout(**{**LAYOUT.to_dict(), "layout": "layer_major"})
+    with pytest.raises(ValueError):
+        KVLayout(**{**LAYOUT.to_dict(), "device": "mps"})
 
 
 def test_layout_of_engine_kv_cache():
@@ -53,6 +66,7 @@ def test_layout_of_engine_kv_cache():
     layout = KVLayout.of_kv_cache(kv, SMOLLM2["model_id"])
     assert layout == KVLayout(dtype="bfloat16", **SMOLLM2)
     assert KVLayout.of_kv_cache(np.zeros((1, 30, 2, 16, 3, 64), np.float32), "m").dtype == "float32"
+    assert layout.device == "cpu"
     with pytest.raises(ValueError):
         KVLayout.of_kv_cache(torch.zeros((5, 30, 16, 3, 64)), "m")
 
@@ -81,6 +95,9 @@ def test_kv_buffer_validation():
     torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match="dtype"):
         make_sender(torch.zeros(LAYOUT.shape(2), dtype=torch.bfloat16), LAYOUT,
+                    KVTransferConfig(backend="tcp"))
+    with pytest.raises(ValueError, match="layout says device 'cuda'"):
+        make_sender(torch.zeros(LAYOUT.shape(2)), KVLayout(**{**LAYOUT.to_dict(), "device": "cuda"}),
                     KVTransferConfig(backend="tcp"))
     with pytest.raises(ValueError, match="contiguous"):
         make_sender(torch.zeros(LAYOUT.shape(4)).transpose(0, 1).contiguous().transpose(0, 1)[:2],
@@ -115,7 +132,7 @@ def test_auto_selection_is_logged(caplog, thread_guard):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sender_restart_drops_stale_peer(backend, thread_guard):
     """Same address, new sender instance: old handle refused, new one works, old agent dropped."""
-    cfg = KVTransferConfig(backend=backend)
+    cfg = config_for(backend)
     src, dst = make_pool(LAYOUT, 4, 1), make_pool(LAYOUT, 4, 2)
     r = make_receiver(dst, LAYOUT, cfg)
     s1 = make_sender(src, LAYOUT, cfg)
@@ -124,7 +141,7 @@ def test_sender_restart_drops_stale_peer(backend, thread_guard):
     assert r.read(s1.peer_info(), "a", [0], [0]).wait(30) == TransferState.DONE
     old_info = s1.peer_info()
     s1.close()
-    s2 = make_sender(src, LAYOUT, KVTransferConfig(backend=backend, port=port))
+    s2 = make_sender(src, LAYOUT, config_for(backend, port=port))
     s2.expect("b", [1])
     t = r.read(old_info, "b", [1], [1], timeout_s=10)
     assert t.wait(10) == TransferState.FAILED  # stale handle: never silently served by s2
@@ -159,3 +176,134 @@ def test_auto_falls_back_to_tcp_when_self_test_fails(monkeypatch, caplog, thread
         assert "self-test failed" in r.selection and "state ERR" in r.selection
     assert any("backend tcp (nixl self-test failed" in rec.getMessage() for rec in caplog.records)
     assert built and all(a.agent is None and not a.registered for a in built)  # NIXL side freed
+
+
+def test_select_backend_is_pure_and_never_refuses_a_pool():
+    missing = "nixl unavailable: nixl does not import: ModuleNotFoundError(\"No module named 'nixl'\")"
+    sel = select_backend("auto", "cuda", missing)
+    assert (sel.backend, sel.staged, sel.label) == ("tcp", True, "tcp-staged")
+    assert "nixl does not import" in sel.reason and "CUDA KV moves through pinned host staging" in sel.reason
+    sel = select_backend("auto", "cuda", "nixl self-test failed: RuntimeError('loopback VRAM ...')")
+    assert sel.label == "tcp-staged" and "self-test failed" in sel.reason
+    sel = select_backend("auto", "cpu", missing)
+    assert (sel.label, sel.reason) == ("tcp", missing)
+    assert select_backend("auto", "cuda", None).label == "nixl"
+    assert select_backend("auto", "cuda", None).reason.startswith("nixl imports and its loopback self-test")
+    assert select_backend("nixl", "cuda", None).reason == "requested by config"
+    assert select_backend("tcp", "cuda", None).label == "tcp-staged"
+    assert select_backend("tcp", "cpu", missing).label == "tcp"
+    assert select_backend("tcp", "cpu", None, staging="always").label == "tcp-staged"
+    with pytest.raises(BackendUnavailableError, match="does not import"):
+        select_backend("nixl", "cuda", missing)
+
+
+def test_split_batches_packs_runs_in_transfer_order():
+    batches = split_batches([4, 5, 6, 9, 2, 3, 7], 3, 10)
+    assert [b.runs for b in batches] == [[(4, 3, 0)], [(9, 1, 0), (2, 2, 10)], [(7, 1, 0)]]
+    assert [b.nbytes for b in batches] == [30, 30, 10]
+    assert split_batches([], 3, 10) == []
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Pools in ``fake_cuda`` (a set of ids) report device "cuda"; their staging copier is
+    the host one (the memory is host memory). No GPU needed."""
+    import kv_transfer.memory as memory
+    import kv_transfer.staging as staging
+    fake: set[int] = set()
+    real = memory.device_of
+    monkeypatch.setattr(memory, "device_of", lambda buf: ("cuda", 0) if id(buf) in fake else real(buf))
+    monkeypatch.setitem(staging.COPIERS, "cuda", staging.HostCopier)
+    return fake
+
+
+@pytest.fixture
+def no_nixl(monkeypatch):
+    """``import nixl`` fails, as on a host without NIXL."""
+    for name in ("nixl", "nixl._api"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_auto_without_nixl_stages_a_cuda_pool_and_says_why(fake_cuda, no_nixl, caplog, thread_guard):
+    caplog.set_level(logging.INFO, logger="pdserve.kv_transfer")
+    layout = KVLayout(**{**LAYOUT.to_dict(), "device": "cuda"})
+    src, dst = make_pool(layout, 8, 1), make_pool(layout, 8, 2)
+    fake_cuda.update({id(src), id(dst)})
+    cfg = KVTransferConfig(backend="auto", staging_chunk_bytes=2 * layout.block_nbytes)
+    with make_sender(src, layout, cfg) as s, make_receiver(dst, layout, cfg) as r:
+        for side in (s, r):
+            assert side.region.is_cuda and side.backend_name == "tcp-staged"
+            assert side.backend_info()["backend"] == "tcp-staged"
+            assert "nixl unavailable: nixl does not import" in side.selection_reason
+            assert "CUDA KV moves through pinned host staging buffers" in side.selection_reason
+        assert s.peer_info()["modes"] == ["tcp"]
+        lease = s.expect("c", [7, 0, 3, 4, 5])
+        t = r.read(s.peer_info(), "c", [7, 0, 3, 4, 5], [1, 2, 6, 5, 0], timeout_s=30)
+        assert t.wait(30) == TransferState.DONE, t.error
+        assert lease.wait(10) == TransferState.DONE
+        assert dst[[1, 2, 6, 5, 0]].tobytes() == src[[7, 0, 3, 4, 5]].tobytes()
+        assert r.stats()["staging_sets"] == 1 and s.stats()["staging_sets"] == 1
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert any("backend tcp-staged (nixl unavailable" in m for m in messages), messages
+    for side in (s, r):
+        assert_no_leak(side.stats(), closed=True)
+
+
+def test_cpu_and_cuda_pools_refuse_each_other(fake_cuda, thread_guard):
+    cuda_layout = KVLayout(**{**LAYOUT.to_dict(), "device": "cuda"})
+    src, dst = make_pool(cuda_layout, 4, 1), make_pool(LAYOUT, 4, 2)
+    fake_cuda.add(id(src))
+    before = dst.tobytes()
+    with make_sender(src, cuda_layout, KVTransferConfig(backend="tcp")) as s, \
+            make_receiver(dst, LAYOUT, KVTransferConfig(backend="tcp")) as r:
+        s.expect("x", [0])
+        t = r.read(s.peer_info(), "x", [0], [0], timeout_s=10)
+        assert t.wait(10) == TransferState.FAILED
+        assert "incompatible KV layout (device: ours='cuda' peer='cpu')" in t.error, t.error
+    assert dst.tobytes() == before
+
+
+def test_cuda_copier_code_on_cpu_tensors(fake_cuda, monkeypatch, thread_guard):
+    """CudaCopier's own code (byte views of the pool, per-run slices, copy directions,
+    stream ordering, events) run on CPU tensors, with the CUDA stream API shimmed."""
+    torch = pytest.importorskip("torch")
+    import contextlib
+
+    import kv_transfer.staging as staging
+    calls = []
+
+    class Stream:
+        def __init__(self, device=None):
+            calls.append(("stream", str(device)))
+
+        def wait_stream(self, other):
+            calls.append(("wait_stream", other))
+
+    class Event:
+        def record(self, stream):
+            calls.append(("record", type(stream).__name__))
+
+        def synchronize(self):
+            calls.append(("synchronize",))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: "default")
+    monkeypatch.setattr(staging.CudaCopier, "alloc", lambda self, n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setitem(staging.COPIERS, "cuda", staging.CudaCopier)
+    layout = KVLayout(**{**LAYOUT.to_dict(), "dtype": "bfloat16", "device": "cuda"})
+    src, dst = make_pool(layout, 12, 1, "torch"), make_pool(layout, 12, 2, "torch")
+    fake_cuda.update({id(src), id(dst)})
+    cfg = KVTransferConfig(backend="tcp", staging_chunk_bytes=3 * layout.block_nbytes)
+    remote, local = [11, 0, 1, 2, 6, 7, 3], [4, 5, 6, 0, 1, 9, 10]
+    with make_sender(src, layout, cfg) as s, make_receiver(dst, layout, cfg) as r:
+        assert s.backend_name == r.backend_name == "tcp-staged"
+        s.expect("g", remote)
+        t = r.read(s.peer_info(), "g", remote, local, timeout_s=30)
+        assert t.wait(30) == TransferState.DONE, t.error
+    assert torch.equal(dst[local].view(torch.int16), src[remote].view(torch.int16))
+    assert ("wait_stream", "default") in calls  # copies ordered after the engine's queued work
+    # 7 blocks in batches of 3 -> 3 batches per side, one event each, all waited for
+    assert sum(c[0] == "record" for c in calls) == 6
+    assert sum(c[0] == "synchronize" for c in calls) == 6

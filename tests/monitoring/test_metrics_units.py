@@ -73,3 +73,14 @@ def test_metrics_server_404s_other_paths():
             assert exc.code == 404
     finally:
         server.close()
+
+
+def test_worker_exports_the_kv_transfer_backend_and_why():
+    info = {"backend": "tcp-staged", "reason": "nixl unavailable: nixl does not import; CUDA KV moves through "
+                                              "pinned host staging buffers"}
+    text = generate_latest(WorkerMetrics(FakeLoop(), "prefill", "w:1", info).registry).decode()
+    line = next(line for line in text.splitlines() if line.startswith("pdserve:kv_transfer_backend_info{"))
+    assert 'backend="tcp-staged"' in line and 'reason="nixl unavailable: nixl does not import;' in line
+    assert 'role="prefill",worker="w:1"' in line and line.endswith(" 1.0")
+    without = generate_latest(WorkerMetrics(FakeLoop(), "decode", "w:2").registry).decode()
+    assert "kv_transfer_backend_info" not in without

@@ -1,0 +1,255 @@
+"""Host staging buffers for the TCP data path (CUDA KV over sockets).
+
+A socket reads and writes host memory only, so blocks in device memory go
+device -> pinned host buffer -> socket on the sender and socket -> pinned host
+buffer -> device on the receiver, one batch of blocks per buffer, with two
+buffers per transfer so the copy of one batch overlaps the socket I/O of the
+next (the pipeline itself is in :mod:`tcp_path`).
+
+What differs between memory kinds is a *copier*, picked by ``region.device``
+from :data:`COPIERS`:
+
+- :class:`HostCopier` (``"cpu"``): synchronous memmoves into plain host
+  buffers. Host memory needs no staging; it is used with
+  ``KVTransferConfig(staging="always")`` so the very same pipeline runs (and is
+  tested) on machines without a GPU.
+- :class:`CudaCopier` (``"cuda"``): ``copy_(non_blocking=True)`` between the
+  pool and pinned buffers on a side CUDA stream, one CUDA event per batch.
+
+A :class:`Stager` is the copier plus its buffers; a side keeps a
+:class:`StagingPool` of them (one per transfer in progress, reused).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .memory import KVRegion
+
+#: Buffers per transfer in progress: batch k+1 is copied while batch k is on the socket.
+NUM_BUFFERS = 2
+
+
+class Batch:
+    """Consecutive block ids of one transfer that fit one staging buffer.
+
+    ``runs`` are ``(first block id, count, byte offset in the buffer)``: runs of
+    consecutive ids merged, packed in transfer order (the byte order on the wire).
+    """
+
+    __slots__ = ("runs", "nbytes")
+
+    def __init__(self, block_ids: Sequence[int], block_nbytes: int) -> None:
+        self.runs: list[tuple[int, int, int]] = []
+        start = prev = None
+        offset = 0
+        for b in block_ids:
+            if prev is not None and b == prev + 1:
+                prev = b
+                continue
+            if start is not None:
+                self.runs.append((start, prev - start + 1, offset))
+                offset += (prev - start + 1) * block_nbytes
+            start = prev = b
+        if start is not None:
+            self.runs.append((start, prev - start + 1, offset))
+            offset += (prev - start + 1) * block_nbytes
+        self.nbytes = offset
+
+
+def split_batches(block_ids: Sequence[int], batch_blocks: int, block_nbytes: int) -> list[Batch]:
+    """``block_ids`` cut into batches of at most ``batch_blocks`` blocks, order kept."""
+    return [Batch(block_ids[i:i + batch_blocks], block_nbytes)
+            for i in range(0, len(block_ids), batch_blocks)]
+
+
+class HostCopier:
+    """Host memory: copies are synchronous memmoves; buffers are plain (unpinned) memory."""
+
+    def __init__(self, region: KVRegion) -> None:
+        self.base = region.addr
+        self.block_nbytes = region.block_nbytes
+
+    def alloc(self, nbytes: int) -> Any:
+        """A staging buffer of ``nbytes``."""
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def view(self, buf: Any) -> memoryview:
+        """Writable byte view of a staging buffer (what the socket reads/writes)."""
+        return memoryview(buf)
+
+    def start(self) -> None:
+        """Order the copies after work already queued on the pool (nothing to do on host)."""
+
+    def to_host(self, buf: Any, batch: Batch) -> None:
+        """Copy the batch's blocks from the pool into ``buf``; returns a completion handle."""
+        dst, bs = int(buf.ctypes.data), self.block_nbytes
+        for block, count, offset in batch.runs:
+            ctypes.memmove(dst + offset, self.base + block * bs, count * bs)
+
+    def to_device(self, buf: Any, batch: Batch) -> None:
+        """Copy ``buf`` into the batch's blocks of the pool; returns a completion handle."""
+        src, bs = int(buf.ctypes.data), self.block_nbytes
+        for block, count, offset in batch.runs:
+            ctypes.memmove(self.base + block * bs, src + offset, count * bs)
+
+    def wait(self, handle: Any) -> None:
+        """Block until the copy behind ``handle`` finished."""
+
+
+class CudaCopier:
+    """A torch CUDA pool: async copies on a side stream into pinned buffers."""
+
+    def __init__(self, region: KVRegion) -> None:
+        import torch
+        self.torch = torch
+        pool = region.owner
+        self.device = pool.device
+        self.flat = pool.reshape(-1).view(torch.uint8)  # bytes of the pool, no copy
+        self.block_nbytes = region.block_nbytes
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def alloc(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+
+    def view(self, buf: Any) -> memoryview:
+        return memoryview(buf.numpy())
+
+    def start(self) -> None:
+        # The engine queues its kernels on the default stream: copies start after what is
+        # queued there now (e.g. the prefill that wrote these blocks, or reads of the blocks
+        # the decode engine just reallocated).
+        self.stream.wait_stream(self.torch.cuda.default_stream(self.device))
+
+    def _copy(self, buf: Any, batch: Batch, to_host: bool) -> Any:
+        torch, bs = self.torch, self.block_nbytes
+        with torch.cuda.stream(self.stream):
+            for block, count, offset in batch.runs:
+                dev = self.flat[block * bs:(block + count) * bs]
+                host = buf[offset:offset + count * bs]
+                if to_host:
+                    host.copy_(dev, non_blocking=True)
+                else:
+                    dev.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def to_host(self, buf: Any, batch: Batch) -> Any:
+        return self._copy(buf, batch, to_host=True)
+
+    def to_device(self, buf: Any, batch: Batch) -> Any:
+        return self._copy(buf, batch, to_host=False)
+
+    def wait(self, handle: Any) -> None:
+        if handle is not None:
+            handle.synchronize()
+
+
+#: Copier class per ``KVRegion.device``.
+COPIERS: dict[str, type] = {"cpu": HostCopier, "cuda": CudaCopier}
+
+
+class Stager:
+    """A copier and :data:`NUM_BUFFERS` buffers of ``batch_blocks`` blocks each,
+    with the completion handle of the copy last issued on each buffer."""
+
+    def __init__(self, region: KVRegion, batch_blocks: int) -> None:
+        self.batch_blocks = batch_blocks
+        self.block_nbytes = region.block_nbytes
+        self.copier = COPIERS[region.device](region)
+        self.buffers = [self.copier.alloc(batch_blocks * region.block_nbytes) for _ in range(NUM_BUFFERS)]
+        self.views = [self.copier.view(b) for b in self.buffers]
+        self._pending: list[Any] = [None] * NUM_BUFFERS
+
+    def batches(self, block_ids: Sequence[int]) -> list[Batch]:
+        """The transfer's block ids in buffer-sized batches."""
+        return split_batches(list(block_ids), self.batch_blocks, self.block_nbytes)
+
+    def start(self) -> None:
+        """Begin a transfer: order its copies after the device work already queued."""
+        self.copier.start()
+
+    def to_host(self, i: int, batch: Batch) -> None:
+        """Start copying ``batch`` from the pool into buffer ``i``."""
+        self._pending[i] = self.copier.to_host(self.buffers[i], batch)
+
+    def to_device(self, i: int, batch: Batch) -> None:
+        """Start copying buffer ``i`` into ``batch``'s blocks of the pool."""
+        self._pending[i] = self.copier.to_device(self.buffers[i], batch)
+
+    def wait(self, i: int) -> None:
+        """Block until the copy last issued on buffer ``i`` finished."""
+        handle, self._pending[i] = self._pending[i], None
+        self.copier.wait(handle)
+
+    def settle(self) -> None:
+        """Wait for every copy issued (the pool's blocks are no longer touched)."""
+        for i in range(NUM_BUFFERS):
+            self.wait(i)
+
+
+class StagingPool:
+    """The stagers of one side: created on first use, reused, one per transfer in progress."""
+
+    def __init__(self, region: KVRegion, chunk_bytes: int) -> None:
+        self.region = region
+        self.batch_blocks = max(1, chunk_bytes // region.block_nbytes)
+        self._free: list[Stager] = []
+        self._lock = threading.Lock()
+        self._num_sets = 0
+        self._in_use = 0
+        self._closed = False
+
+    def acquire(self) -> Stager:
+        """A stager for one transfer; give it back with :meth:`release`."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("staging pool is closed")
+            self._in_use += 1
+            if self._free:
+                return self._free.pop()
+            self._num_sets += 1
+        try:
+            return Stager(self.region, self.batch_blocks)
+        except BaseException:
+            with self._lock:
+                self._in_use -= 1
+                self._num_sets -= 1
+            raise
+
+    def release(self, stager: Stager) -> None:
+        """Return a stager whose copies have settled."""
+        with self._lock:
+            self._in_use -= 1
+            if self._closed:
+                self._num_sets -= 1
+            else:
+                self._free.append(stager)
+
+    def stats(self) -> dict[str, int]:
+        """``staging_sets`` (allocated buffer sets) and ``staging_in_use`` (held by transfers)."""
+        with self._lock:
+            return {"staging_sets": self._num_sets, "staging_in_use": self._in_use}
+
+    def close(self) -> None:
+        """Free the idle buffer sets; sets still in use are freed when released."""
+        with self._lock:
+            self._closed = True
+            self._num_sets -= len(self._free)
+            self._free.clear()
+
+
+def needs_staging(region: KVRegion, staging: str) -> bool:
+    """Whether the TCP data path must (or, with ``"always"``, should) stage ``region``."""
+    return staging == "always" or not region.is_host
+
+
+def make_staging(region: KVRegion, staging: str, chunk_bytes: int) -> StagingPool | None:
+    """The side's staging pool, or None when its blocks go to the socket directly."""
+    return StagingPool(region, chunk_bytes) if needs_staging(region, staging) else None
