@@ -77,6 +77,10 @@ class KVCacheManager:
         copy-on-write, or None, changing nothing, if blocks are short.
         """
         table = self.block_tables.get(seq_id, [])
+        bs = self.block_size
+        if prefix is None and -(-(num_computed_tokens + num_new_tokens) // bs) <= len(table) and (
+                num_computed_tokens % bs == 0 or self.pool.blocks[table[num_computed_tokens // bs]].ref_count == 1):
+            return []  # the common decode step: the blocks exist and the one written is not shared
         prefix = prefix or PrefixHit()
         if prefix.block_ids and table:
             raise ValueError(f"{seq_id}: a prefix hit is only for a sequence without blocks")
