@@ -36,6 +36,7 @@ system-packages:
 	fi
 
 test: setup system-packages
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 bench: setup

@@ -19,8 +19,8 @@ OUT = ROOT / "pdserve_proto" / "v1"
 
 
 def generate_stubs() -> None:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     sources = sorted(PROTO_ROOT.glob("pdserve/v1/*.proto"))
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"

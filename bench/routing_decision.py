@@ -81,7 +81,7 @@ def main() -> int:
     del chains, held
     gc.collect()  # the benchmark's own garbage; the index itself is not GC-tracked
     decide, total = [], []
-    for prompt, hashes in zip(prompts, prehashed):
+    for prompt, hashes in zip(prompts, prehashed, strict=True):
         t0 = time.perf_counter()
         selector.pick_prefill(len(prompt), hashes)
         t1 = time.perf_counter()

@@ -74,7 +74,8 @@ def main() -> int:
     work = make_workload(Tokenizer(model_dir), args.num_requests, args.seed, args.prompt_len, args.output_len)
     prompt_tokens = sum(len(p) for p, _ in work)
 
-    import torch, vllm  # noqa: E401
+    import torch
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -20,8 +20,8 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
 from collections import deque
+from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ class KVSource:
     first_token_id: int
 
     @classmethod
-    def from_handle(cls, handle, first_token_id: int) -> "KVSource":
+    def from_handle(cls, handle, first_token_id: int) -> KVSource:
         return cls(json.loads(handle.peer_info_json), handle.transfer_id, list(handle.block_ids), first_token_id)
 
 

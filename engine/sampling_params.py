@@ -60,7 +60,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def for_sample(self, index: int) -> "SamplingParams":
+    def for_sample(self, index: int) -> SamplingParams:
         """Parameters for one of `n` parallel samples (its own seed stream)."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)

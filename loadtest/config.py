@@ -68,7 +68,7 @@ class DatasetConfig:
             raise ValueError("vocab_size must be > 100")
 
     @classmethod
-    def from_spec(cls, spec: str, **kwargs) -> "DatasetConfig":
+    def from_spec(cls, spec: str, **kwargs) -> DatasetConfig:
         """`random`, `prefix` or `sharegpt:FILE`."""
         name, _, path = spec.partition(":")
         return cls(name=name, path=path or None, **kwargs)

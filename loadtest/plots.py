@@ -18,7 +18,7 @@ def plot_cdfs(records: list[RequestRecord], path: Path, slos_ms: dict[str, float
     plt = _pyplot()
     values = metric_values_ms(records)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, name in zip(axes.flat, METRICS):
+    for ax, name in zip(axes.flat, METRICS, strict=True):
         xs = sorted(values[name])
         if xs:
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")

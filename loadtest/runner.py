@@ -66,7 +66,7 @@ async def _measure(config: LoadTestConfig, stub, prompts: list[Prompt]) -> tuple
         return record
 
     tasks = []
-    for i, (prompt, offset) in enumerate(zip(prompts, offsets)):
+    for i, (prompt, offset) in enumerate(zip(prompts, offsets, strict=True)):
         if config.duration_s is not None and offset >= config.duration_s:
             break  # the time bound: no new request after it
         delay = start + offset - time.perf_counter()

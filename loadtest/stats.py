@@ -49,7 +49,7 @@ class RequestRecord:
     @property
     def itls(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
     @property
     def tpot(self) -> float | None:

@@ -16,8 +16,14 @@ import grpc
 from engine.sampling_params import SamplingParams
 from pdserve.grpc_common import insecure_channel
 from pdserve.jsonl_requests import LineError, LineRequest, read_requests, result_line
-from pdserve.protocol import finish_reason_name, generate_pb2, generate_pb2_grpc, logprobs_from_chunk, \
-    params_to_proto, usage_from_proto
+from pdserve.protocol import (
+    finish_reason_name,
+    generate_pb2,
+    generate_pb2_grpc,
+    logprobs_from_chunk,
+    params_to_proto,
+    usage_from_proto,
+)
 
 
 @dataclass
@@ -77,7 +83,7 @@ async def _generate_file(url: str, input_path: str, output_path: str, stream: bo
         stub = generate_pb2_grpc.GenerationStub(channel)
         outcomes = await asyncio.gather(*(_one(stub, r, stream, timeout) for r in requests))
     with open(output_path, "w", encoding="utf-8") as out:
-        for request, outcome in zip(requests, outcomes):
+        for request, outcome in zip(requests, outcomes, strict=True):
             if isinstance(outcome, LineError):
                 errors.append(outcome)
                 continue

@@ -59,7 +59,7 @@ async def ask_all(address: str) -> None:
         elapsed = time.perf_counter() - start
     print("\n")
     num_tokens = 0
-    for i, (prompt, samples) in enumerate(zip(PROMPTS, results)):
+    for i, (prompt, samples) in enumerate(zip(PROMPTS, results, strict=True)):
         num_tokens += len(samples[0].token_ids)
         print(f"### {prompt}   [first token {first_token_at[i] * 1000:.0f} ms]\n{samples[0].text.strip()}\n")
     print(f"{len(PROMPTS)} concurrent requests through router -> prefill -> KV transfer -> decode: "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,7 +21,7 @@ def new_server() -> grpc.aio.Server:
     return grpc.aio.server(options=CHANNEL_OPTIONS)
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> "health.aio.HealthServicer":
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
     """Register grpc.health.v1 (starting NOT_SERVING) and server reflection for the given services."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -29,7 +29,7 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     return servicer
 
 
-async def set_serving(servicer: "health.aio.HealthServicer", service_names: list[str], serving: bool) -> None:
+async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
         await servicer.set(name, status)

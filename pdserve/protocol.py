@@ -28,7 +28,7 @@ _REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "n")
 
 
-def params_from_proto(msg: "generate_pb2.SamplingParams") -> SamplingParams:
+def params_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
     """Build (and so validate) SamplingParams; unset optional fields keep the defaults.
 
     Raises engine.sampling_params.InvalidParameter naming the field.
@@ -38,7 +38,7 @@ def params_from_proto(msg: "generate_pb2.SamplingParams") -> SamplingParams:
                           ignore_eos=msg.ignore_eos, **kwargs)
 
 
-def params_to_proto(params: SamplingParams) -> "generate_pb2.SamplingParams":
+def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
     msg = generate_pb2.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids,
                                       ignore_eos=params.ignore_eos, temperature=params.temperature,
                                       top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_tokens,
@@ -50,7 +50,7 @@ def params_to_proto(params: SamplingParams) -> "generate_pb2.SamplingParams":
     return msg
 
 
-def chunk_from_delta(delta: SampleDelta) -> "generate_pb2.Chunk":
+def chunk_from_delta(delta: SampleDelta) -> generate_pb2.Chunk:
     return generate_pb2.Chunk(
         token_ids=delta.token_ids, text=delta.text,
         logprobs=[generate_pb2.TokenLogprob(
@@ -59,14 +59,14 @@ def chunk_from_delta(delta: SampleDelta) -> "generate_pb2.Chunk":
                           for t in lp["top_logprobs"]]) for lp in delta.logprobs])
 
 
-def logprobs_from_chunk(chunk: "generate_pb2.Chunk") -> list[dict]:
+def logprobs_from_chunk(chunk: generate_pb2.Chunk) -> list[dict]:
     """The engine's logprob dicts back from a Chunk (the JSONL output format)."""
     return [{"token_id": lp.token_id, "logprob": lp.logprob,
              "top_logprobs": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs]}
             for lp in chunk.logprobs]
 
 
-def usage_from_proto(usage: "generate_pb2.Usage") -> dict:
+def usage_from_proto(usage: generate_pb2.Usage) -> dict:
     """A Usage message as the JSON usage object of pdserve's outputs."""
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens}

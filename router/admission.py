@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class AdmissionRejected(Exception):

@@ -20,7 +20,8 @@ class RoutingMetrics:
         self.query_blocks = Counter("pdserve:router_prefix_query_blocks",
                                     "Full prompt blocks routed to prefill workers", registry=registry)
         self.hit_blocks = Counter("pdserve:router_prefix_hit_blocks",
-                                  "Of those, blocks the chosen worker held (KV index) or was computing for another request",
+                                  "Of those, blocks the chosen worker held (KV index) or was computing for another "
+                                  "request",
                                   registry=registry)
         self.decisions = Counter("pdserve:routing_decisions", "Workers chosen, by role", ["role", "worker"],
                                  registry=registry)

@@ -18,7 +18,7 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{port}/0"
         self.popen: subprocess.Popen | None = None
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         self.popen = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                        "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
@@ -26,9 +26,9 @@ class RedisServer:
             try:
                 self.client().ping()
                 return self
-            except redis.ConnectionError:
+            except redis.ConnectionError as exc:
                 if time.monotonic() > deadline or self.popen.poll() is not None:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start")
+                    raise RuntimeError(f"redis-server on port {self.port} did not start") from exc
                 time.sleep(0.02)
 
     def stop(self) -> None:

@@ -12,7 +12,8 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta

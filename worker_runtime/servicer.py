@@ -11,12 +11,17 @@ import grpc
 
 from decode_worker.decode_loop import DecodeLoop, KVSource
 from engine.sampling_params import InvalidParameter
-from pdserve.protocol import FINISH_REASONS, chunk_from_delta, generate_pb2, params_from_proto, worker_pb2, \
-    worker_pb2_grpc
+from pdserve.protocol import (
+    FINISH_REASONS,
+    chunk_from_delta,
+    generate_pb2,
+    params_from_proto,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
 from worker_runtime.errors import Draining, Overloaded, WorkerError
-
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

@@ -33,7 +33,7 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @classmethod
-    def from_dir(cls, path: Path) -> "ModelConfig":
+    def from_dir(cls, path: Path) -> ModelConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

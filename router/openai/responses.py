@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from pdserve.client import SampleResult
 from pdserve.protocol import finish_reason_name, generate_pb2, logprobs_from_chunk, usage_from_proto

@@ -13,7 +13,7 @@ def test_prompts_sharing_a_prefix_go_where_it_is_cached(router_2p2d, workers):
     # 16 cached blocks outweigh a request's load (8 blocks) even if a stale stats poll counts one.
     systems = [[rng.randrange(3, 49000) for _ in range(256)] for _ in range(2)]
     first = [generate(router_2p2d, s + [rng.randrange(3, 49000) for _ in range(48)]) for s in systems]
-    for s, placed in zip(systems, first):
+    for s, placed in zip(systems, first, strict=True):
         # A 48-token new suffix is more than --skip-prefill-tokens (32): remote prefill again,
         # on the worker whose events said it holds the 256-token prefix.
         again = generate(router_2p2d, s + [rng.randrange(3, 49000) for _ in range(48)])

@@ -45,7 +45,7 @@ def cluster(smollm2_dir):
             routers.append(router)
             procs.append(router)
         for router in routers:
-            wait_for(lambda: all(healthy(router, w) for w in workers), 30)
+            wait_for(lambda router=router: all(healthy(router, w) for w in workers), 30)
         yield {"redis": redis_server, "workers": workers, "routers": routers, "registry": registry}
     finally:
         for proc in procs:
@@ -99,16 +99,16 @@ def test_worker_joins_then_leaves_within_its_ttl_when_hung(cluster):
     late = start_worker("prefill", *cluster["registry"])
     try:
         for router in routers:
-            wait_for(lambda: healthy(router, late), 10)
+            wait_for(lambda router=router: healthy(router, late), 10)
         os.kill(late.popen.pid, signal.SIGSTOP)  # hung: no heartbeats, no answers
-        took = max(wait_for(lambda: metric_value(r.metrics_url, "pdserve:worker_healthy",
-                                                 worker=late.address) is None, TTL_S + 3) for r in routers)
+        took = max(wait_for(lambda r=r: metric_value(r.metrics_url, "pdserve:worker_healthy",
+                                                     worker=late.address) is None, TTL_S + 3) for r in routers)
         assert took <= TTL_S + 3
         for i in range(4):  # nothing is routed to the hung worker
             assert generate(routers[i % 2], SYSTEM_PROMPTS[i] + suffix())["prefill"] != late.address
         os.kill(late.popen.pid, signal.SIGCONT)
         for router in routers:
-            wait_for(lambda: healthy(router, late), 10)
+            wait_for(lambda router=router: healthy(router, late), 10)
     finally:
         os.kill(late.popen.pid, signal.SIGCONT)
         late.stop()
@@ -128,11 +128,11 @@ def test_redis_restart_is_survived_and_routers_resync(cluster):
     redis_server.start()
     # Workers re-register; the events lost meanwhile show up as gaps and the routers resync.
     for router in routers:
-        wait_for(lambda: all(healthy(router, w) for w in workers), 10)
+        wait_for(lambda router=router: all(healthy(router, w) for w in workers), 10)
     other_prompt = [rng.randrange(3, 49000) for _ in range(SYSTEM_LEN)]
     first = generate(routers[0], other_prompt + suffix())
     wait_for(lambda: all(metric_value(r.metrics_url, "pdserve:kv_index_resyncs_total") > before
-                         for r, before in zip(routers, resyncs)), 15)
+                         for r, before in zip(routers, resyncs, strict=True)), 15)
     # And the shared view works again: the other router follows the placement.
     time.sleep(0.5)
     again = generate(routers[1], other_prompt + suffix())

@@ -96,7 +96,7 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(engine, france):
 def test_logprobs(engine, france):
     c = one(engine, france, temperature=0, max_tokens=5, logprobs=3).completions[0]
     assert len(c.logprobs) == 5
-    for token, entry in zip(c.token_ids, c.logprobs):
+    for token, entry in zip(c.token_ids, c.logprobs, strict=True):
         assert entry["token_id"] == token
         assert len(entry["top_logprobs"]) == 3
         assert entry["top_logprobs"][0]["token_id"] == token  # greedy picks the top one

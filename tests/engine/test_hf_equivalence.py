@@ -72,7 +72,7 @@ def test_smollm2_with_prefix_cache_hits(smollm2_dir, smollm2_case):
     first = engine.generate(prompts, GREEDY)
     second = engine.generate(prompts, GREEDY)
     assert [o.completions[0].token_ids for o in first] == expected
-    assert all(o.num_cached_tokens >= 16 * (len(p) // 16 - 1) for o, p in zip(second, prompts))
+    assert all(o.num_cached_tokens >= 16 * (len(p) // 16 - 1) for o, p in zip(second, prompts, strict=True))
     assert [o.completions[0].token_ids for o in second] == expected
     assert_no_leak(engine)
 
@@ -118,7 +118,7 @@ def test_tiny_qwen2_equals_transformers(tiny_qwen2_dir, qwen2_case, variant):
         got = [o.completions[0].token_ids for o in outputs]
     if variant == "preempt":
         assert engine.scheduler.num_preemptions > 0
-    for i, (g, e) in enumerate(zip(got, expected)):
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"prompt {i} differs"
     assert_no_leak(engine)
 

@@ -84,5 +84,5 @@ def test_chart_runs_every_role_with_the_real_cli(rendered):
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
     refused = {where: f"pdserve {shlex.join(argv)}\n    -> {error}"
-               for (where, argv), error in zip(commands, json.loads(done.stdout)) if error}
+               for (where, argv), error in zip(commands, json.loads(done.stdout), strict=True) if error}
     assert not refused, "the CLI refuses the chart's commands:\n" + "\n".join(f"{w}: {e}" for w, e in refused.items())

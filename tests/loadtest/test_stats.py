@@ -96,7 +96,7 @@ def test_poisson_and_gamma_arrivals_have_the_asked_mean_and_burstiness():
     assert arrival_offsets(5, math.inf) == [0.0] * 5
     for burstiness in (1.0, 0.25, 4.0):
         t = arrival_offsets(20001, rate=50.0, burstiness=burstiness, seed=1)
-        gaps = [b - a for a, b in zip(t, t[1:])]
+        gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
         assert statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.05)
         # gamma(k, theta): coefficient of variation 1/sqrt(k)
         assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)

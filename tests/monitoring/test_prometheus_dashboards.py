@@ -1,7 +1,7 @@
 """A real Prometheus scrapes a local cluster (router + prefill + decode, each with --metrics-port) during
 a short load test: every PromQL expression of the shipped dashboards and alert rules parses and returns
-data (every metric they name is exported), the rule files load, and the router's TTFT p50 from its histogram agrees with the load tester's
-client-side p50.
+data (every metric they name is exported), the rule files load, and the router's TTFT p50 from its
+histogram agrees with the load tester's client-side p50.
 
 Tolerance of the TTFT agreement: histogram_quantile interpolates linearly inside one bucket, so its
 resolution is the width of the bucket holding the value; the client also pays the gRPC hop the router
@@ -17,10 +17,10 @@ import pytest
 
 from loadtest.config import DatasetConfig, LoadTestConfig
 from loadtest.runner import run
+from pdserve.protocol import generate_pb2
 from router.metrics import LATENCY_BUCKETS
 from tests.cluster.harness import free_port, generation_stub, start_router, start_worker
 from tests.monitoring.prometheus import Prometheus, dashboard_expressions, metric_names, rule_expressions
-from pdserve.protocol import generate_pb2
 
 TTFT_EXTRA_MS = 25.0
 NUM_PROMPTS = 20

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+
 from engine.block_hash import hash_full_blocks
 from engine.kv_events import BlockRemoved, BlockStored
 from pdserve import redis_client, redis_keys
