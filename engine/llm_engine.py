@@ -215,7 +215,7 @@ class LLMEngine:
                 rows.append(SampleRow(row, sample.request.params, sample.generator, suppress))
                 owners.append(sample)
         tokens = self.sampler.sample(logits, rows)
-        for sample, token in zip(owners, tokens):
+        for sample, token in zip(owners, tokens, strict=True):
             self._accept(sample, token)
         return [self._delta(s) for s in owners] + self._drain_ended()
 
@@ -305,11 +305,11 @@ class LLMEngine:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         request_ids = request_ids or [str(i) for i in range(len(prompts))]
-        for rid, prompt, p in zip(request_ids, prompts, params):
+        for rid, prompt, p in zip(request_ids, prompts, params, strict=True):
             self.add_request(rid, prompt, p)
         collector = CompletionCollector()
         while self.has_unfinished():
             for d in self.step():
                 collector.add(d)
         return [RequestOutput(rid, list(prompt), collector.completions(rid), collector.cached_tokens.get(rid, 0))
-                for rid, prompt in zip(request_ids, prompts)]
+                for rid, prompt in zip(request_ids, prompts, strict=True)]

@@ -148,5 +148,6 @@ class ModelRunner:
             meta.decode_token_indices = torch.tensor(decode_idx, device=dev)
             meta.decode_block_tables = torch.tensor(padded, device=dev)
             meta.decode_seq_lens = torch.tensor(decode_lens, device=dev)
-        return (torch.tensor(input_ids, device=dev, dtype=torch.long), torch.tensor(positions, device=dev, dtype=torch.long), meta,
+        return (torch.tensor(input_ids, device=dev, dtype=torch.long),
+                torch.tensor(positions, device=dev, dtype=torch.long), meta,
                 torch.tensor(logits_indices, device=dev, dtype=torch.long))

@@ -87,10 +87,10 @@ class Sampler:
         max_n = max(r.params.logprobs for r in rows)
         top_vals, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
         chosen = logprobs.gather(1, torch.tensor([[res.token_id] for res in results], device=logits.device))
-        for i, (row, res) in enumerate(zip(rows, results)):
+        for i, (row, res) in enumerate(zip(rows, results, strict=True)):
             n = row.params.logprobs
             res.logprob = float(chosen[i, 0])
-            res.top_logprobs = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
+            res.top_logprobs = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

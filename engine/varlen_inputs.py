@@ -64,12 +64,12 @@ class VarlenInputBuilder:
         self._turn ^= 1
         flat = host.numpy()
         ids, pos, slots, logits, cu_q, seq_lens, block_tables = (
-            part[:n] for part, n in zip(np.split(flat[:total], np.cumsum(sizes)[:-1]), lengths))
+            part[:n] for part, n in zip(np.split(flat[:total], np.cumsum(sizes)[:-1]), lengths, strict=True))
         block_tables = block_tables.reshape(num_seqs, width)
         t = r = 0
         cu_q[0] = 0
         max_query_len = 0
-        for s, (item, table) in enumerate(zip(scheduled, tables)):
+        for s, (item, table) in enumerate(zip(scheduled, tables, strict=True)):
             req = item.request
             start = req.num_computed_tokens
             n = item.num_new_tokens
@@ -84,7 +84,8 @@ class VarlenInputBuilder:
                 ids[t:t + n] = req.all_token_ids[start:end]
                 p = np.arange(start, end, dtype=np.int32)
                 pos[t:t + n] = p
-                slots[t:t + n] = np.asarray(table[start // bs:used], dtype=np.int32)[p // bs - start // bs] * bs + p % bs
+                blocks = np.asarray(table[start // bs:used], dtype=np.int32)
+                slots[t:t + n] = blocks[p // bs - start // bs] * bs + p % bs
             t += n
             cu_q[s + 1] = t
             seq_lens[s] = end
@@ -95,7 +96,7 @@ class VarlenInputBuilder:
         dev = self._device[:total]
         dev.copy_(host[:total], non_blocking=True)
         ids_d, pos_d, slots_d, logits_d, cu_q_d, seq_lens_d, tables_d = (
-            part[:n] for part, n in zip(torch.split(dev, sizes), lengths))
+            part[:n] for part, n in zip(torch.split(dev, sizes), lengths, strict=True))
         meta = AttentionMetadata(slot_mapping=slots_d, cu_q=cu_q_d, seq_lens=seq_lens_d,
                                  block_tables=tables_d.view(num_seqs, width), max_query_len=max_query_len)
         decode_only = max_query_len == 1 and num_logits == num_seqs  # one token each, every one sampled

@@ -35,7 +35,7 @@ def dense_reference(q, keys, values, context_len, scale):
 def make_step(query_lens, context_lens, heads, kv_heads, block_size, dtype, seed=0):
     """A packed step over a shuffled paged cache; returns everything the kernels and the reference need."""
     gen = torch.Generator().manual_seed(seed)
-    totals = [c + n for c, n in zip(context_lens, query_lens)]
+    totals = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
     need = [-(-t // block_size) for t in totals]
     num_blocks = sum(need) + 5
     # [blocks, layers, K/V, block, heads, dim]: the per-layer views are strided like the engine's.
@@ -53,7 +53,7 @@ def make_step(query_lens, context_lens, heads, kv_heads, block_size, dtype, seed
     new_kv = torch.randn(num_tokens, heads + 2 * kv_heads, D, generator=gen).to(dtype).to(DEVICE)
     new_k, new_v = new_kv[:, heads:heads + kv_heads], new_kv[:, heads + kv_heads:]  # strided, as in the model
     slots = []
-    for table, c, n in zip(tables, context_lens, query_lens):
+    for table, c, n in zip(tables, context_lens, query_lens, strict=True):
         slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
     cu_q = torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).to(torch.int32)
     return dict(k_cache=k_cache, v_cache=v_cache, tables=tables, block_tables=block_tables, q=q, new_k=new_k,
@@ -82,7 +82,7 @@ def test_paged_attention_matches_dense_reference(heads, kv_heads, block_size, ca
                           step["cu_q"], max(query_lens), scale)
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     start = 0
-    for table, c, n in zip(step["tables"], context_lens, query_lens):
+    for table, c, n in zip(step["tables"], context_lens, query_lens, strict=True):
         keys = step["k_cache"][table].reshape(-1, kv_heads, D)[:c + n]
         values = step["v_cache"][table].reshape(-1, kv_heads, D)[:c + n]
         # the new tokens' K/V landed in their slots
