@@ -62,6 +62,9 @@ class EngineConfig:
     or auto (triton on CUDA, torch on CPU)."""
     cuda_graphs: bool = True
     """CUDA: replay captured graphs for decode batches (eager prefill and mixed steps)."""
+    overlap_steps: bool | None = None
+    """Launch step N+1 before detokenizing and reporting step N; None: on CUDA, where the launch is
+    asynchronous (on CPU it would delay every report by a whole step)."""
     seed: int = 0
     """Seed for requests that give none."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

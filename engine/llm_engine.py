@@ -43,6 +43,10 @@ class _Sample:
     generator: torch.Generator | None
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict] = field(default_factory=list)
+    undetokenized: list[int] = field(default_factory=list)
+    """Accepted tokens whose text is not made yet (samples without stop strings)."""
+    flush_text: bool = False
+    """Ended for a reason other than a stop string: release held-back text with the last delta."""
 
 
 class LLMEngine:
@@ -74,6 +78,10 @@ class LLMEngine:
         self._ended_between_steps: list[_Sample] = []
         """Samples aborted (or finished on arrival) since the last step; reported by the next step."""
         self.num_steps = 0
+        self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
+        """Launch step N+1 before reporting step N (see `step`)."""
+        self._inflight: tuple | None = None
+        """(logits, sample rows, owners) of the launched step not yet collected."""
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -128,6 +136,7 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if request_id in self._groups or request_id in self._reserved:
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
+        self._wait_for_launched_step()  # blocks freed meanwhile may be handed out and written by a pull
         hit = self.kv.find_prefix(request_id, prompt_token_ids)
         if self.kv.allocate_slots(request_id, 0, len(prompt_token_ids) - hit.num_tokens, hit) is None:
             raise MemoryError("not enough free KV blocks for this prompt")
@@ -193,14 +202,31 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """True while a request runs or waits, or an ended one is still to be reported."""
-        return self.scheduler.has_unfinished() or bool(self._ended_between_steps)
+        return self.scheduler.has_unfinished() or bool(self._ended_between_steps) or self._inflight is not None
 
     # ---- one step ------------------------------------------------------
     def step(self) -> list[SampleDelta]:
-        """Run one engine step; return what each touched sample gained."""
+        """Run one engine step; return what each touched sample gained.
+
+        With `overlap` (CUDA), the model's work is asynchronous: a call first
+        collects the step the previous call launched (its sampled tokens), then
+        launches the next step, and detokenizes and reports the collected tokens
+        while the GPU computes. Without it (CPU) a call launches, collects and
+        reports one step.
+        """
+        if self.overlap:
+            owners = self._collect()
+            self._launch()
+        else:
+            self._launch()
+            owners = self._collect()
+        return [self._finish_text(s) for s in owners] + self._drain_ended()
+
+    def _launch(self) -> None:
+        """Schedule a step and start the model on it (on CUDA this returns before the GPU is done)."""
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return self._drain_ended()
+            return
         sampling = [item.request for item in out.scheduled if item.samples]
         logits = self.runner.execute(out, self.kv)
         self.scheduler.finish_step(out)
@@ -214,10 +240,26 @@ class LLMEngine:
             for sample in family:
                 rows.append(SampleRow(row, sample.request.params, sample.generator, suppress))
                 owners.append(sample)
+        self._inflight = (logits, rows, owners)
+
+    def _collect(self) -> list[_Sample]:
+        """Sample the launched step (waiting for the model) and accept each token; the samples that took one."""
+        if self._inflight is None:
+            return []
+        logits, rows, owners = self._inflight
+        self._inflight = None
         tokens = self.sampler.sample(logits, rows)
+        accepted = []
         for sample, token in zip(owners, tokens, strict=True):
-            self._accept(sample, token)
-        return [self._delta(s) for s in owners] + self._drain_ended()
+            if not sample.request.is_finished:  # not aborted while the step ran
+                self._accept(sample, token)
+                accepted.append(sample)
+        return accepted
+
+    def _wait_for_launched_step(self) -> None:
+        """Block until the launched step's GPU work is done (before blocks it may still write are reused)."""
+        if self._inflight is not None and self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
 
     # ---- helpers -------------------------------------------------------
     def _track(self, request: Request, seed: int | None) -> _Sample:
@@ -245,6 +287,8 @@ class LLMEngine:
         return sorted(self.eos_token_ids | set(request.params.stop_token_ids))
 
     def _accept(self, sample: _Sample, token) -> None:
+        """Take a sampled token and apply every stop rule. Text is made later (`_finish_text`),
+        except for samples with stop strings, whose stop rule needs it now."""
         request = sample.request
         request.append_token(token.token_id)
         sample.new_token_ids.append(token.token_id)
@@ -252,15 +296,28 @@ class LLMEngine:
             entry = {"token_id": token.token_id, "logprob": token.logprob,
                      "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in token.top_logprobs]}
             sample.new_logprobs.append(entry)
-        stop_string = sample.detokenizer.add_token(token.token_id)
+        stop_string = None
+        if request.params.stop:
+            stop_string = sample.detokenizer.add_token(token.token_id)
+        else:
+            sample.undetokenized.append(token.token_id)
         reason = self._stop_reason(request, token.token_id, stop_string)
         if reason is not None:
-            if reason != FinishReason.STOP_STRING:
-                sample.detokenizer.flush()
+            sample.flush_text = reason != FinishReason.STOP_STRING
             self.scheduler.finish(request, reason)
         elif request.prefill_only:
             self.scheduler.finish(request, None, keep_blocks=True)
             self._handed_off.add(request.request_id)
+
+    def _finish_text(self, sample: _Sample) -> SampleDelta:
+        """Detokenize the sample's new tokens and report them."""
+        for token_id in sample.undetokenized:
+            sample.detokenizer.add_token(token_id)
+        sample.undetokenized.clear()
+        if sample.flush_text:
+            sample.detokenizer.flush()
+            sample.flush_text = False
+        return self._delta(sample)
 
     def _stop_reason(self, request: Request, token_id: int, stop_string: str | None) -> FinishReason | None:
         params = request.params

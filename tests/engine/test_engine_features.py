@@ -1,4 +1,7 @@
-"""Engine behaviour on the real default model: sampling, stops, n > 1, abort, errors."""
+"""Engine behaviour on the real default model: sampling, stops, n > 1, abort, errors.
+
+Every test using the `engine` fixture runs twice: steps reported as they run, and
+overlapped (step N+1 launched before step N is detokenized and reported, as on CUDA)."""
 import pytest
 
 from engine.config import CacheConfig, EngineConfig
@@ -6,10 +9,12 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import InvalidParameter, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_dir):
-    return LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32",
-                                  cache=CacheConfig(kv_cache_memory_bytes=256 << 20)))
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def engine(smollm2_dir, request):
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", overlap_steps=request.param,
+                                    cache=CacheConfig(kv_cache_memory_bytes=256 << 20)))
+    assert engine.overlap is request.param
+    return engine
 
 
 @pytest.fixture(scope="module")

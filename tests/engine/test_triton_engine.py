@@ -3,7 +3,7 @@
 On CPU the kernels run under Triton's interpreter (slow, so the fixture is the
 tiny random Qwen2 and few tokens); on a GPU host they are compiled. Covers
 plain batches, chunked prefill with cached context, preemption, prefix-cache
-hits, and `pdserve generate --offline --attention-backend triton`.
+hits, overlapped steps (as on CUDA), and `pdserve generate --offline --attention-backend triton`.
 """
 import json
 import os
@@ -36,6 +36,7 @@ def prompts():
 
 def generate(model_dir, backend, prompts, **overrides):
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device=DEVICE, attention_backend=backend,
+                                    overlap_steps=overrides.pop("overlap_steps", None),
                                     scheduler=overrides.pop("scheduler", SchedulerConfig()),
                                     cache=overrides.pop("cache", CacheConfig(kv_cache_memory_bytes=16 << 20))))
     outputs = engine.generate(prompts, GREEDY)
@@ -48,11 +49,12 @@ def expected(tiny_qwen2_dir, prompts):
     return generate(tiny_qwen2_dir, "torch", prompts)[1]
 
 
-@pytest.mark.parametrize("variant", ["plain", "chunked", "preempt"])
+@pytest.mark.parametrize("variant", ["plain", "chunked", "preempt", "overlap"])
 def test_triton_backend_equals_torch_backend(tiny_qwen2_dir, prompts, expected, variant):
     kwargs = {"plain": {},
               "chunked": {"scheduler": SchedulerConfig(max_num_batched_tokens=24)},
-              "preempt": {"cache": CacheConfig(num_blocks=9, enable_prefix_caching=False)}}[variant]
+              "preempt": {"cache": CacheConfig(num_blocks=9, enable_prefix_caching=False)},
+              "overlap": {"overlap_steps": True, "scheduler": SchedulerConfig(max_num_batched_tokens=24)}}[variant]
     engine, got, outputs = generate(tiny_qwen2_dir, "triton", prompts, **kwargs)
     assert engine.runner.varlen is not None  # the varlen inputs and the Triton kernels ran
     if variant == "plain":  # again on the same engine: now full blocks come from the prefix cache
