@@ -136,6 +136,7 @@ def decode_step_times(engine: LLMEngine, batch: int, context: int, repeats: int 
         profiler.disable()
         print(f"host profile of {repeats} decode steps at batch {batch}:")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+    engine.finish_launched_step()
     out = engine.scheduler.schedule()  # one more decode step's inputs, run on the model alone
     runner = engine.runner
     runner.execute(out, engine.kv)

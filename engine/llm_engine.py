@@ -222,6 +222,10 @@ class LLMEngine:
             owners = self._collect()
         return [self._finish_text(s) for s in owners] + self._drain_ended()
 
+    def finish_launched_step(self) -> list[SampleDelta]:
+        """Collect and report the launched step (overlap mode) without launching another."""
+        return [self._finish_text(s) for s in self._collect()] + self._drain_ended()
+
     def _launch(self) -> None:
         """Schedule a step and start the model on it (on CUDA this returns before the GPU is done)."""
         out = self.scheduler.schedule()
