@@ -1,7 +1,7 @@
 """Engine configuration: one dataclass per concern, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
@@ -79,8 +79,15 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.device == "auto":
+
+    def resolved(self) -> EngineConfig:
+        """A copy with `auto` made concrete on this machine (where the engine runs: a config built
+        on a GPU-less head and shipped to a GPU worker keeps `auto` until then)."""
+        device = self.device
+        if device == "auto":
             import torch
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.attention_backend == "auto":
-            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.startswith("cuda") else "torch"
+        return replace(self, device=device, attention_backend=backend)

@@ -51,6 +51,7 @@ class _Sample:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config = config.resolved()
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path)

@@ -113,12 +113,14 @@ class RayCluster:
         # Joining a cluster, the workers run on other machines: a head without a GPU still
         # places `--device cuda` workers on GPUs, and they listen on every interface.
         joined = cfg.ray_address is not None
-        use_gpu = torch.cuda.is_available() or (joined and cfg.worker.engine.device.startswith("cuda"))
+        resources = ray.cluster_resources()
+        device = cfg.worker.engine.device  # `auto`: GPUs here, or in the cluster joined
+        use_gpu = torch.cuda.is_available() and device != "cpu" or joined and (
+            device.startswith("cuda") or device == "auto" and resources.get("GPU", 0) > 0)
         template = cfg.worker
         if joined:
             template = dataclasses.replace(template, host="0.0.0.0",
                                            kv_transfer=dataclasses.replace(template.kv_transfer, host="0.0.0.0"))
-        resources = ray.cluster_resources()
         threads = cfg.worker.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
         actor_cls = ray.remote(WorkerProcess)
         pending = []
