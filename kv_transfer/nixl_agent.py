@@ -9,6 +9,7 @@ prove that nothing is left registered, prepared or in flight.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -43,6 +44,10 @@ class NixlAgent:
         except Exception as e:  # ImportError, or a broken native library
             raise BackendUnavailableError(f"nixl does not import: {e!r}") from e
         self.name = f"pdserve-kv-{role}-{uuid.uuid4().hex[:12]}"
+        # UCX turns off cuda_ipc READs (get_zcopy) when it sees no NVLink, so a pull of VRAM between
+        # two processes on one GPU (or PCIe peers) went host-staged over tcp/lo at 0.5 GB/s; with
+        # them on, 53 GB/s at 1,024 blocks on an H100 (BENCHMARKS.md). An operator's value wins.
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         conf = nixl_agent_config(enable_prog_thread=config.nixl_progress_thread,
                                  enable_listen_thread=False, backends=list(config.nixl_backends))
         self.agent = nixl_agent(self.name, conf)
