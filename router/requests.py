@@ -71,8 +71,11 @@ class RequestRunner:
         if self.draining:
             raise self._failed(grpc.StatusCode.UNAVAILABLE, "the router is draining")
         try:
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize, self.builder.build, msg, max_tokens_to_context)
+            if msg.WhichOneof("input") in ("text", "chat"):  # tokenizing: off the event loop
+                prepared = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize, self.builder.build, msg, max_tokens_to_context)
+            else:
+                prepared = self.builder.build(msg, max_tokens_to_context)
         except InvalidParameter as exc:
             raise self._failed(grpc.StatusCode.INVALID_ARGUMENT, str(exc), field=exc.field) from None
         if prepared.request_id in self._running:
