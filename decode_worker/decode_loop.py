@@ -24,12 +24,17 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidParameter, SamplingParams
 from kv_transfer import KVReceiver, KVTransferError, Transfer, TransferState
 from worker_runtime.engine_loop import EngineLoop, Sink
 
 logger = logging.getLogger(__name__)
 
+
+
+MAX_PEER_INFO_CHARS = 4096
+MAX_TRANSFER_ID_CHARS = 256
+MAX_BLOCK_ID = 2**31 - 1
 
 
 @dataclass
@@ -43,7 +48,50 @@ class KVSource:
 
     @classmethod
     def from_handle(cls, handle, first_token_id: int) -> KVSource:
-        return cls(json.loads(handle.peer_info_json), handle.transfer_id, list(handle.block_ids), first_token_id)
+        """Parse a KVHandle; raises InvalidParameter naming the field (the handle is caller input)."""
+        return cls(parse_peer_info(handle.peer_info_json), check_transfer_id(handle.transfer_id),
+                   check_block_ids(list(handle.block_ids)), first_token_id)
+
+
+def parse_peer_info(text: str) -> dict:
+    """`kv.peer_info_json`: a JSON object as `KVSender.peer_info()` writes it (host, port, instance id,
+    data paths). Anything else is refused here, before it reaches the engine thread."""
+    name = "kv.peer_info_json"
+    _need(len(text) <= MAX_PEER_INFO_CHARS, name, f"longer than {MAX_PEER_INFO_CHARS} characters")
+    try:
+        info = json.loads(text)
+    except ValueError:
+        raise InvalidParameter(name, "not JSON") from None
+    _need(isinstance(info, dict), name, f"must be a JSON object, got {type(info).__name__}")
+    _need(isinstance(info.get("host"), str) and info["host"], f"{name}.host", "must be a non-empty string")
+    port = info.get("port")
+    _need(type(port) is int and 0 < port <= 65535, f"{name}.port", "must be an integer in [1, 65535]")
+    _need(isinstance(info.get("instance_id", ""), str), f"{name}.instance_id", "must be a string")
+    modes = info.get("modes")
+    if modes is not None:
+        _need(isinstance(modes, list) and modes and all(isinstance(m, str) for m in modes),
+              f"{name}.modes", "must be a non-empty list of strings")
+    else:
+        _need(isinstance(info.get("backend"), str), f"{name}.backend", "modes or backend must name a data path")
+    return info
+
+
+def check_transfer_id(transfer_id: str) -> str:
+    _need(0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS, "kv.transfer_id",
+          f"must have 1 to {MAX_TRANSFER_ID_CHARS} characters")
+    return transfer_id
+
+
+def check_block_ids(block_ids: list[int]) -> list[int]:
+    _need(bool(block_ids), "kv.block_ids", "empty")
+    _need(all(0 <= b <= MAX_BLOCK_ID for b in block_ids), "kv.block_ids", f"ids must be in [0, {MAX_BLOCK_ID}]")
+    _need(len(set(block_ids)) == len(block_ids), "kv.block_ids", "ids must be distinct")
+    return block_ids
+
+
+def _need(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameter(field_name, message)
 
 
 @dataclass
@@ -83,6 +131,7 @@ class DecodeLoop(EngineLoop):
                 self.engine.add_request(request_id, prompt, params)
             else:
                 self.engine.validate_prompt(prompt)
+                self.engine.validate_params(params, source.first_token_id)
                 self._queued.append(_Job(request_id, prompt, params, source, sink,
                                          time.monotonic() + self.pull_timeout_s))
             self.add_sink(request_id, sink)
@@ -119,19 +168,39 @@ class DecodeLoop(EngineLoop):
     def _finish_pulls(self) -> bool:
         """Move finished pulls into the engine (or fail them); True once none is in flight."""
         for request_id, job in list(self._pulling.items()):
-            state = job.transfer.poll()
-            if not state.is_terminal:
-                continue
-            del self._pulling[request_id]
-            if state == TransferState.DONE:
-                self.observe_transfer_s(time.monotonic() - job.pull_started)
-                self.engine.add_request(request_id, job.prompt, job.params,
-                                        first_token_id=job.source.first_token_id)
-            else:
-                self.transfers_failed += 1
-                self.engine.release_kv(request_id)
-                self._recompute(job, f"KV pull failed ({job.transfer.error})")
+            try:
+                self._finish_pull(job)
+            except Exception as exc:  # noqa: BLE001 - one bad job fails its request, not the batch
+                self._pulling.pop(request_id, None)
+                self._fail_job(job, exc)
         return not self._pulling
+
+    def _finish_pull(self, job: _Job) -> None:
+        state = job.transfer.poll()
+        if not state.is_terminal:
+            return
+        del self._pulling[job.request_id]
+        if state == TransferState.DONE:
+            self.observe_transfer_s(time.monotonic() - job.pull_started)
+            self.engine.add_request(job.request_id, job.prompt, job.params,
+                                    first_token_id=job.source.first_token_id)
+        else:
+            self.transfers_failed += 1
+            self.engine.release_kv(job.request_id)
+            self._recompute(job, f"KV pull failed ({job.transfer.error})")
+
+    def _fail_job(self, job: _Job, exc: Exception) -> None:
+        """End one request whose job raised: free what it holds, tell its caller, keep the rest going."""
+        if isinstance(exc, InvalidParameter):
+            logger.warning("%s: refused: %s", job.request_id, exc)
+        else:
+            logger.exception("%s: KV job failed", job.request_id, exc_info=exc)
+            exc = RuntimeError(f"the KV pull failed: {exc!r}")
+        if job.transfer is not None and not job.transfer.state.is_terminal:
+            job.transfer.abort("request failed")
+        self.engine.release_kv(job.request_id)
+        self.engine.abort_request(job.request_id)
+        self.emit(job.request_id, exc, last=True)
 
     def _start_pulls(self) -> int:
         """Start pulls for queued requests while blocks last; returns how many started."""
@@ -139,31 +208,46 @@ class DecodeLoop(EngineLoop):
         while self._queued:
             job = self._queued[0]
             try:
-                table, num_local = self.engine.reserve_kv(job.request_id, job.prompt)
-            except MemoryError:
-                if time.monotonic() < job.give_up_at:
-                    return started  # wait for running requests to free blocks
-                self._queued.popleft()
-                self._release_remote(job)
-                self._recompute(job, "no free KV blocks to pull into")
+                outcome = self._start_pull(job)
+            except Exception as exc:  # noqa: BLE001 - one bad job fails its request, not the batch
+                if self._queued and self._queued[0] is job:
+                    self._queued.popleft()
+                self._pulling.pop(job.request_id, None)
+                self._fail_job(job, exc)
                 continue
-            self._queued.popleft()
-            remote = job.source.block_ids
-            job.pull_started = time.monotonic()
-            try:
-                if len(remote) != len(table):
-                    raise ValueError(f"the KV handle has {len(remote)} blocks, the prompt needs {len(table)}")
-                job.transfer = self.receiver.read(job.source.peer_info, job.source.transfer_id,
-                                                  remote[num_local:], table[num_local:],
-                                                  timeout_s=max(0.1, job.give_up_at - time.monotonic()))
-            except (KVTransferError, OSError, ValueError) as exc:
-                self.transfers_failed += 1
-                self.engine.release_kv(job.request_id)
-                self._recompute(job, f"KV pull could not start ({exc})")
-                continue
-            self._pulling[job.request_id] = job
-            started += 1
+            if outcome is None:
+                return started  # wait for running requests to free blocks
+            started += outcome
         return started
+
+    def _start_pull(self, job: _Job) -> int | None:
+        """Reserve blocks and start the pull of the queue's first job: 1 when a pull started,
+        0 when the job went on otherwise (recompute), None to wait for free blocks."""
+        try:
+            table, num_local = self.engine.reserve_kv(job.request_id, job.prompt)
+        except MemoryError:
+            if time.monotonic() < job.give_up_at:
+                return None
+            self._queued.popleft()
+            self._release_remote(job)
+            self._recompute(job, "no free KV blocks to pull into")
+            return 0
+        self._queued.popleft()
+        remote = job.source.block_ids
+        job.pull_started = time.monotonic()
+        try:
+            if len(remote) != len(table):
+                raise ValueError(f"the KV handle has {len(remote)} blocks, the prompt needs {len(table)}")
+            job.transfer = self.receiver.read(job.source.peer_info, job.source.transfer_id,
+                                              remote[num_local:], table[num_local:],
+                                              timeout_s=max(0.1, job.give_up_at - time.monotonic()))
+        except (KVTransferError, OSError, ValueError) as exc:
+            self.transfers_failed += 1
+            self.engine.release_kv(job.request_id)
+            self._recompute(job, f"KV pull could not start ({exc})")
+            return 0
+        self._pulling[job.request_id] = job
+        return 1
 
     def _recompute(self, job: _Job, why: str) -> None:
         """Continue without the pulled KV: prompt and first token are recomputed here."""

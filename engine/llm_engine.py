@@ -101,6 +101,7 @@ class LLMEngine:
         `kv_block_ids`) until `release_kv`.
         """
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params, first_token_id)
         if request_id in self._groups or request_id in self._handed_off:
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
         if (first_token_id is not None or prefill_only) and params.n > 1:
@@ -189,11 +190,22 @@ class LLMEngine:
             raise InvalidParameter("input", f"the prompt has {len(prompt_token_ids)} tokens; "
                                             f"the context holds {self.max_model_len} (prompt plus at least one new)")
 
+    def validate_params(self, params: SamplingParams, first_token_id: int | None = None) -> None:
+        """Token ids a caller gives besides the prompt must index the vocabulary (else IndexError
+        on CPU, a device-side assert that kills the process on CUDA)."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if first_token_id is not None and (not isinstance(first_token_id, int) or not 0 <= first_token_id < vocab):
+            raise InvalidParameter("first_token_id",
+                                   f"token id {first_token_id} is outside the vocabulary [0, {vocab})")
+
     def abort_request(self, request_id: str) -> bool:
-        """End every sample of a request now, freeing its blocks."""
+        """End every sample of a request now, freeing its blocks (also blocks `reserve_kv` holds for it)."""
         ids = self._groups.get(request_id)
         if ids is None:
-            return False
+            return self.release_kv(request_id) if request_id in self._reserved else False
         for sample_id in ids:
             sample = self._samples.get(sample_id)
             if sample and not sample.request.is_finished:

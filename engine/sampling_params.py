@@ -4,7 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+"""Largest seed of any sample (seeds travel as int64; sample i of n uses seed + i)."""
 
 
 @dataclass
@@ -54,7 +58,12 @@ class SamplingParams:
                "stop_token_ids", "must be non-negative integers")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be between 0 and {MAX_LOGPROBS}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED - (self.n - 1)),
+               "seed", f"must be an integer in [0, {MAX_SEED}] (n samples use seed .. seed + n - 1)")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
 
     @property
     def greedy(self) -> bool:

@@ -26,7 +26,12 @@ class KVTransferConfig:
     default_timeout_s: float = 30.0
     """Deadline of a transfer when the caller gives none (seconds from creation)."""
     connect_timeout_s: float = 5.0
-    """Cap on connecting + handshaking with a peer."""
+    """Cap on connecting + handshaking with a peer. A sender closes a connection whose ``hello``
+    has not arrived whole within this time, however slowly its bytes trickle in."""
+    max_connections: int = 256
+    """Receiver connections a sender serves at once (one thread each); more are refused at once."""
+    max_handshake_payload_bytes: int = 4 << 20
+    """Largest payload a receiver accepts in the sender's ``hello_ok`` (NIXL agent metadata, KBs)."""
     abort_wait_s: float = 2.0
     """How long ``abort()`` waits for a backend thread to stop touching the blocks."""
     socket_buffer_bytes: int = 0
@@ -54,6 +59,10 @@ class KVTransferConfig:
         for name in ("default_timeout_s", "connect_timeout_s", "abort_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        if self.max_handshake_payload_bytes < 0:
+            raise ValueError("max_handshake_payload_bytes must be >= 0")
         if self.socket_buffer_bytes != 0 and self.socket_buffer_bytes < 4096:
             raise ValueError("socket_buffer_bytes must be 0 (kernel autotuning) or >= 4096")
         if self.staging not in STAGING:

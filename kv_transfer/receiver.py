@@ -118,7 +118,7 @@ class PeerLink:
             send_msg(sock, {"type": "hello", "version": PROTOCOL_VERSION,
                             "backend": self.mode,
                             "compat_hash": layout.compat_hash(), "layout": layout.to_dict()})
-            hello, payload = recv_msg(sock)
+            hello, payload = recv_msg(sock, max_payload=self.owner.config.max_handshake_payload_bytes)
             if hello.get("type") == "refuse":
                 raise IncompatiblePeerError(f"sender refused the handshake: {hello.get('reason')}")
             if hello.get("type") != "hello_ok":

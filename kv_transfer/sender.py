@@ -13,6 +13,13 @@ One listening socket; one thread per receiver connection. A connection goes:
    ``abort`` -> the sender's transfer turns FAILED.
 
 A connection that drops fails every transfer granted on it.
+
+Nothing a connection sends is trusted: a message over its size limit (a
+receiver's messages carry no payload; a header is bounded by what a ``read`` of
+every block needs) drops that connection before anything is allocated; a
+``hello`` must arrive whole within ``connect_timeout_s``; at most
+``max_connections`` connections are served (more are refused at once); and the
+accept loop outlives any error serving one connection.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +40,7 @@ from .staging import make_staging
 from .state import TransferState
 from .tcp_path import serve_blocks
 from .transfer import Transfer, TransferTable
-from .wire import PeerClosed, recv_msg, send_msg, tune_socket
+from .wire import MAX_HEADER, MessageTooLarge, PeerClosed, recv_msg, send_msg, tune_socket
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -56,6 +64,9 @@ class ControlSender(KVSender):
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._num_refused = 0
+        #: A ``read`` names at most every block once: its header needs at most this much.
+        self._max_header = MAX_HEADER + self.region.num_blocks * (len(str(self.region.num_blocks)) + 1)
         self._listener = socket.create_server((config.host, config.port), backlog=64)
         self.port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -105,6 +116,7 @@ class ControlSender(KVSender):
         return {
             "in_flight": len(self._table),
             "connections": conns,
+            "connections_refused": self._num_refused,
             "bytes_moved": self._table.bytes_moved,
             "transfers_done": self._table.num_done,
             "transfers_failed": self._table.num_failed,
@@ -136,17 +148,39 @@ class ControlSender(KVSender):
         while not self._closed:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return
-            tune_socket(sock, self.config.socket_buffer_bytes)
-            thread = threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
-                                      name=f"kv-send-conn-{self.port}")
-            with self._lock:
+            except OSError as e:
                 if self._closed:
-                    sock.close()
                     return
+                logger.warning("accepting a receiver connection failed: %s", e)  # e.g. out of fds
+                time.sleep(0.05)
+                continue
+            try:
+                self._admit(sock)
+            except Exception:  # noqa: BLE001 - e.g. no thread can start: drop this one, keep accepting
+                logger.exception("cannot serve a receiver connection; closing it")
+                with self._lock:
+                    self._conns.pop(sock, None)
+                sock.close()
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Serve a new connection on a thread of its own, or refuse it when at the cap."""
+        thread = threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
+                                  name=f"kv-send-conn-{self.port}")
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            full = len(self._conns) >= self.config.max_connections
+            if not full:
                 self._conns[sock] = thread
-            thread.start()
+        if full:
+            self._num_refused += 1
+            logger.warning("refusing a receiver connection: %d connections open (max_connections)",
+                           self.config.max_connections)
+            _refuse_now(sock, f"too many connections (the sender serves {self.config.max_connections})")
+            return
+        tune_socket(sock, self.config.socket_buffer_bytes)
+        _start_thread(thread)
 
     def _check_hello(self, hello: dict) -> str | None:
         if hello.get("type") != "hello":
@@ -167,8 +201,8 @@ class ControlSender(KVSender):
     def _serve_conn(self, sock: socket.socket) -> None:
         granted: dict[str, Transfer] = {}
         try:
-            sock.settimeout(self.config.connect_timeout_s)
-            hello, _ = recv_msg(sock)
+            hello, _ = recv_msg(sock, self._max_header,
+                                deadline=time.monotonic() + self.config.connect_timeout_s)
             problem = self._check_hello(hello)
             if problem:
                 logger.warning("refusing receiver: %s", problem)
@@ -181,7 +215,7 @@ class ControlSender(KVSender):
                             "block_nbytes": self.region.block_nbytes, **extra}, payload)
             sock.settimeout(None)
             while True:
-                msg, _ = recv_msg(sock)
+                msg, _ = recv_msg(sock, self._max_header)
                 kind, tid = msg.get("type"), str(msg.get("tid"))
                 if kind == "read":
                     self._handle_read(sock, tid, msg.get("blocks", []), granted, mode)
@@ -197,6 +231,8 @@ class ControlSender(KVSender):
                         t.request_stop(f"receiver aborted: {msg.get('reason', '')}")
                 else:
                     raise ConnectionError(f"unexpected message {kind!r}")
+        except MessageTooLarge as e:
+            logger.warning("dropping a receiver connection: %s", e)
         except (PeerClosed, OSError, ValueError, InterruptedError) as e:
             if granted:
                 logger.info("receiver connection lost with %d transfers granted: %s", len(granted), e)
@@ -238,6 +274,21 @@ class ControlSender(KVSender):
             serve_blocks(sock, self.region, t, ids, self.staging)
         else:
             self._serve_grant(sock, t, ids)
+
+
+def _start_thread(thread: threading.Thread) -> None:
+    thread.start()
+
+
+def _refuse_now(sock: socket.socket, reason: str) -> None:
+    """Best effort: tell the peer why, without waiting on it, and close."""
+    try:
+        sock.settimeout(0.1)
+        send_msg(sock, {"type": "refuse", "reason": reason})
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 def _shutdown(sock: socket.socket) -> None:

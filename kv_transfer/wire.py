@@ -12,14 +12,20 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 
 _LEN = struct.Struct("!I")
-_MAX_HEADER = 16 << 20
+MAX_HEADER = 64 << 10
+"""Default bound of a message's JSON header (a sender allows more for reads of many blocks)."""
 _IOV_BATCH = 512  # below IOV_MAX (1024 on Linux)
 
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection."""
+
+
+class MessageTooLarge(ConnectionError):
+    """A message announced more bytes than this side accepts for it (refused before reading them)."""
 
 
 def send_msg(sock: socket.socket, header: dict, payload: bytes = b"") -> None:
@@ -30,20 +36,34 @@ def send_msg(sock: socket.socket, header: dict, payload: bytes = b"") -> None:
     sock.sendall(_LEN.pack(len(raw)) + raw + payload)
 
 
-def recv_msg(sock: socket.socket) -> tuple[dict, bytes]:
-    """Receive one framed message; raises :class:`PeerClosed` at EOF."""
-    (size,) = _LEN.unpack(recv_exact(sock, _LEN.size))
-    if size > _MAX_HEADER:
-        raise ConnectionError(f"header of {size} bytes is too large")
-    header = json.loads(recv_exact(sock, size))
-    payload = recv_exact(sock, header["payload"]) if header.get("payload") else b""
+def recv_msg(sock: socket.socket, max_header: int = MAX_HEADER, max_payload: int = 0,
+             deadline: float | None = None) -> tuple[dict, bytes]:
+    """Receive one framed message; raises :class:`PeerClosed` at EOF.
+
+    Sizes are checked before anything is allocated: a header over ``max_header`` or a payload
+    over ``max_payload`` bytes raises :class:`MessageTooLarge` (the caller drops the connection).
+    Only the sender's handshake reply carries a payload (NIXL metadata); block data is never
+    framed (it streams after ``grant``, sized by the reader). ``deadline`` (``time.monotonic()``)
+    bounds the whole message, however slowly its bytes trickle in."""
+    (size,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
+    if size > max_header:
+        raise MessageTooLarge(f"header of {size} bytes is over the limit of {max_header}")
+    header = json.loads(recv_exact(sock, size, deadline))
+    if not isinstance(header, dict):
+        raise ValueError("a message header must be a JSON object")
+    nbytes = header.get("payload", 0)
+    if type(nbytes) is not int or nbytes < 0:
+        raise ValueError(f"bad payload size {nbytes!r}")
+    if nbytes > max_payload:
+        raise MessageTooLarge(f"payload of {nbytes} bytes is over the limit of {max_payload}")
+    payload = recv_exact(sock, nbytes, deadline) if nbytes else b""
     return header, payload
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """Receive exactly ``n`` bytes (small control data only)."""
     buf = bytearray(n)
-    recv_into_views(sock, [memoryview(buf)])
+    recv_into_views(sock, [memoryview(buf)], deadline=deadline)
     return bytes(buf)
 
 
@@ -60,13 +80,20 @@ def send_views(sock: socket.socket, views: list[memoryview], should_stop=None) -
     return total
 
 
-def recv_into_views(sock: socket.socket, views: list[memoryview], should_stop=None) -> int:
-    """Fill ``views`` in order from the socket with ``recvmsg_into``; returns bytes read."""
+def recv_into_views(sock: socket.socket, views: list[memoryview], should_stop=None,
+                    deadline: float | None = None) -> int:
+    """Fill ``views`` in order from the socket with ``recvmsg_into``; returns bytes read.
+    With ``deadline`` (``time.monotonic()``) the socket timeout is what is left of it."""
     total = 0
     i, pending = 0, [v for v in views if v.nbytes]
     while i < len(pending):
         if should_stop is not None and should_stop():
             raise InterruptedError("stopped")
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(left)
         got = sock.recvmsg_into(pending[i:i + _IOV_BATCH])[0]
         if got == 0:
             raise PeerClosed("peer closed the connection")

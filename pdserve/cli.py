@@ -104,6 +104,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-after-s", type=float, default=1.0, help="retry advice sent with RESOURCE_EXHAUSTED")
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument("--router-drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--max-n", type=int, default=16, help="most parallel samples (n) one request may ask for")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt text tokenized (default: max model len x 16 characters)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="largest gRPC request message / HTTP request body the router reads")
     add_registry_args(p)
 
 
@@ -120,7 +125,8 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         max_model_len=args.max_model_len, health_interval_s=args.health_interval_s,
                         lease_s=args.lease_s,
                         metrics_port=args.metrics_port, http_port=args.http_port,
-                        drain_timeout_s=args.router_drain_timeout_s)
+                        drain_timeout_s=args.router_drain_timeout_s, max_n=args.max_n,
+                        max_prompt_chars=args.max_prompt_chars, max_request_bytes=args.max_request_bytes)
 
 
 def _addresses(text: str) -> list[str]:

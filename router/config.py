@@ -48,6 +48,13 @@ class RouterConfig:
     """Serve the OpenAI-compatible HTTP API at http://host:http_port/v1 (0 picks a free port)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight requests may take before the process exits."""
+    max_n: int = 16
+    """Most parallel samples (`n`) one request may ask for; more get INVALID_ARGUMENT."""
+    max_prompt_chars: int | None = None
+    """Longest prompt text (chat: all contents together) tokenized; longer gets INVALID_ARGUMENT
+    before any tokenizing. Default: max_model_len * PROMPT_CHARS_PER_TOKEN."""
+    max_request_bytes: int = 4 << 20
+    """Largest gRPC request message and HTTP request body the router reads."""
 
     def __post_init__(self) -> None:
         for address in [*self.prefill_workers, *self.decode_workers]:
@@ -64,6 +71,12 @@ class RouterConfig:
                 raise ValueError(f"{name} out of range: {value}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.max_n < 1:
+            raise ValueError("max_n must be >= 1")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be >= 1")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be >= 1024")
         if self.skip_prefill_tokens < 0 or self.max_queue_len < 0:
             raise ValueError("skip_prefill_tokens and max_queue_len must be >= 0")
         for name in ("health_interval_s", "lease_s", "drain_timeout_s", "registry_ttl_s", "queue_timeout_s",

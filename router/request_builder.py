@@ -15,6 +15,8 @@ from engine.tokenizer import Tokenizer
 from pdserve.protocol import params_from_proto
 
 MAX_REQUEST_ID_CHARS = 256
+PROMPT_CHARS_PER_TOKEN = 16
+"""Generous characters per token: text longer than max_model_len times this cannot fit the context."""
 
 
 @dataclass
@@ -25,12 +27,15 @@ class PreparedRequest:
 
 
 class RequestBuilder:
-    def __init__(self, model: str, max_model_len: int | None = None) -> None:
+    def __init__(self, model: str, max_model_len: int | None = None, max_n: int = 16,
+                 max_prompt_chars: int | None = None) -> None:
         path = resolve_model_path(model)
         self.tokenizer = Tokenizer(path)
         model_config = ModelConfig.from_dir(path)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len or model_config.max_position_embeddings
+        self.max_n = max_n
+        self.max_prompt_chars = max_prompt_chars or self.max_model_len * PROMPT_CHARS_PER_TOKEN
 
     def build(self, msg, max_tokens_to_context: bool = False) -> PreparedRequest:
         """Validate and tokenize a pdserve.v1.GenerateRequest; raises InvalidParameter.
@@ -40,6 +45,9 @@ class RequestBuilder:
         request_id = msg.request_id or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidParameter("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
+        if msg.params.HasField("n") and not 1 <= msg.params.n <= self.max_n:
+            raise InvalidParameter("params.n", f"must be between 1 and {self.max_n}")
+        self.check_size(msg)
         prompt = self.prompt_token_ids(msg)
         params_msg = msg.params
         if max_tokens_to_context and not params_msg.HasField("max_tokens") and len(prompt) < self.max_model_len:
@@ -52,6 +60,20 @@ class RequestBuilder:
             raise InvalidParameter(f"params.{exc.field}", str(exc).split(": ", 1)[1]) from None
         self.check(prompt, params)
         return PreparedRequest(request_id, prompt, params)
+
+    def check_size(self, msg) -> None:
+        """Cheap bounds checked before any tokenizing: a prompt that cannot fit the context is refused
+        whatever its tokens would be."""
+        kind = msg.WhichOneof("input")
+        if kind == "text" and len(msg.text) > self.max_prompt_chars:
+            raise InvalidParameter("text", f"{len(msg.text)} characters; at most {self.max_prompt_chars}")
+        if kind == "tokens" and len(msg.tokens.ids) >= self.max_model_len:
+            raise InvalidParameter("tokens.ids", f"{len(msg.tokens.ids)} tokens; the context holds "
+                                                 f"{self.max_model_len} (prompt plus at least one new token)")
+        if kind == "chat":
+            chars = sum(len(m.content) + len(m.role) for m in msg.chat.messages)
+            if chars > self.max_prompt_chars:
+                raise InvalidParameter("chat.messages", f"{chars} characters; at most {self.max_prompt_chars}")
 
     def prompt_token_ids(self, msg) -> list[int]:
         kind = msg.WhichOneof("input")

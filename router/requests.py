@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -46,6 +47,8 @@ class RequestRunner:
         self.metrics = metrics
         self.draining = False
         self._running: dict[str, asyncio.Task] = {}
+        self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        """Validation and tokenizing run here: a long prompt never stalls the event loop."""
 
     @property
     def num_running(self) -> int:
@@ -68,7 +71,11 @@ class RequestRunner:
         if self.draining:
             raise self._failed(grpc.StatusCode.UNAVAILABLE, "the router is draining")
         try:
-            prepared = self.builder.build(msg, max_tokens_to_context)
+            if msg.WhichOneof("input") in ("text", "chat"):  # tokenizing: off the event loop
+                prepared = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize, self.builder.build, msg, max_tokens_to_context)
+            else:
+                prepared = self.builder.build(msg, max_tokens_to_context)
         except InvalidParameter as exc:
             raise self._failed(grpc.StatusCode.INVALID_ARGUMENT, str(exc), field=exc.field) from None
         if prepared.request_id in self._running:

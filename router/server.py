@@ -54,7 +54,8 @@ class RouterServer:
     async def start(self, wait_for_workers_s: float = 0.0) -> str:
         config = self.config
         loop = asyncio.get_running_loop()
-        builder = await loop.run_in_executor(None, RequestBuilder, config.model, config.max_model_len)
+        builder = await loop.run_in_executor(None, lambda: RequestBuilder(
+            config.model, config.max_model_len, config.max_n, config.max_prompt_chars))
         if config.redis_url:
             from pdserve import redis_client
             self._redis = redis_client.connect(config.redis_url, timeout_s=5)
@@ -69,7 +70,7 @@ class RouterServer:
         if wait_for_workers_s:
             await self.pool.wait_healthy(wait_for_workers_s)
         self.runner = RequestRunner(builder, self.pipeline, self.metrics)
-        self._server = new_server()
+        self._server = new_server(max_receive_bytes=config.max_request_bytes)
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.runner), self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
         port = self._server.add_insecure_port(f"{config.host}:{config.port}")
@@ -78,7 +79,8 @@ class RouterServer:
         self.address = f"{config.host}:{port}"
         await self._server.start()
         if config.http_port is not None:
-            self._http = HttpServer(create_app(self.runner, config.model), config.host, config.http_port)
+            self._http = HttpServer(create_app(self.runner, config.model, config.max_request_bytes),
+                                    config.host, config.http_port)
             self.http_port = await self._http.start()
         if config.metrics_port is not None:
             self._metrics_server = self.metrics.serve(config.host, config.metrics_port)

@@ -6,6 +6,7 @@ A cancelled call (router gone, client cancel, deadline) aborts the request.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 
@@ -40,7 +41,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = request.request_id
         async with self._admitted(context):
             params = await self._params(request.params, context)
-            lease_s = request.lease_s or self.config.lease_s
+            lease_s = request.lease_s
+            if not math.isfinite(lease_s) or lease_s < 0:
+                await _abort_with(context, InvalidParameter("lease_s", "must be a finite number >= 0"))
+            lease_s = min(lease_s or self.config.lease_s, self.config.lease_s)  # the worker's --lease-s caps it
             try:
                 result = await self.loop.prefill(rid, list(request.prompt_token_ids), params, lease_s)
             except asyncio.CancelledError:
@@ -68,7 +72,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             params = await self._params(request.params, context)
             source = None
             if request.HasField("first_token_id"):
-                source = KVSource.from_handle(request.kv, request.first_token_id)
+                try:
+                    source = KVSource.from_handle(request.kv, request.first_token_id)
+                except InvalidParameter as exc:
+                    await _abort_with(context, exc)
             items: asyncio.Queue = asyncio.Queue()
             prompt = list(request.prompt_token_ids)
             try:

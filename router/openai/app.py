@@ -31,8 +31,9 @@ class ClientDisconnected(Exception):
     pass
 
 
-def create_app(runner: RequestRunner, model_name: str) -> FastAPI:
+def create_app(runner: RequestRunner, model_name: str, max_body_bytes: int = 4 << 20) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -84,6 +85,48 @@ def create_app(runner: RequestRunner, model_name: str) -> FastAPI:
         return StreamingResponse(_events(stream, first, responses, body), media_type="text/event-stream")
 
     return app
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before it is read whole
+    (a Content-Length over it at once; a chunked body as soon as it passes it)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        response = errors.error_response(413, f"the request body is over {self.max_bytes} bytes",
+                                         "invalid_request_error", "request_too_large")
+        await response(scope, receive, send)
 
 
 async def _events(stream: SseStream, first, responses, body):

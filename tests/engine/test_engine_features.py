@@ -213,3 +213,38 @@ def test_reserved_kv_is_released_when_it_never_arrives(engine, france):
     assert engine.kv.pool.num_used_blocks == len(table)
     engine.release_kv("r")
     assert_idle(engine)
+
+
+def test_token_ids_beside_the_prompt_are_checked_against_the_vocabulary(engine, france):
+    """stop_token_ids / first_token_id index the logits: out of range they must be refused, not
+    fail the batch (IndexError on CPU, a device-side assert that kills a CUDA worker)."""
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(InvalidParameter) as e:
+        engine.add_request("v1", france, SamplingParams(stop_token_ids=[vocab]))
+    assert e.value.field == "stop_token_ids"
+    with pytest.raises(InvalidParameter) as e:
+        engine.add_request("v2", france, SamplingParams(max_tokens=2), first_token_id=vocab + 5,
+                           recompute_prompt=True)
+    assert e.value.field == "first_token_id"
+    engine.reserve_kv("v3", france)
+    with pytest.raises(InvalidParameter) as e:
+        engine.add_request("v3", france, SamplingParams(max_tokens=2), first_token_id=-1)
+    assert e.value.field == "first_token_id"
+    assert engine.abort_request("v3")  # abort frees the reserved blocks too
+    assert_idle(engine)
+
+
+def test_seed_and_stop_bounds():
+    from engine.sampling_params import MAX_SEED
+    SamplingParams(seed=MAX_SEED)
+    SamplingParams(seed=MAX_SEED - 3, n=4)
+    for kwargs in [{"seed": MAX_SEED - 2, "n": 4}, {"seed": -1}, {"seed": 2**64}]:
+        with pytest.raises(InvalidParameter) as e:
+            SamplingParams(**kwargs)
+        assert e.value.field == "seed"
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(stop=["x" * 10_000])
+    assert e.value.field == "stop"
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(stop_token_ids=list(range(10_000)))
+    assert e.value.field == "stop_token_ids"
