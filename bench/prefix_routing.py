@@ -63,15 +63,18 @@ async def one_request(stub, rid: str, prompt: list[int], output_len: int) -> dic
     sent = time.perf_counter()
     ttft, cached, ok = None, 0, False
     try:
-        async for msg in stub.Generate(req):
+        call = stub.Generate(req)
+        async for msg in call:
             if msg.HasField("chunk"):
                 if ttft is None and msg.chunk.token_ids:
                     ttft = time.perf_counter() - sent
             else:
                 ok, cached = True, msg.complete.usage.cached_tokens
+        meta = dict(await call.trailing_metadata())
     except Exception as exc:  # noqa: BLE001 - a failed request is a result
         return {"ok": False, "error": repr(exc)[:200]}
-    return {"ok": ok, "ttft": ttft, "cached": cached, "prompt": len(prompt), "e2e": time.perf_counter() - sent}
+    return {"ok": ok, "ttft": ttft, "cached": cached, "prompt": len(prompt), "e2e": time.perf_counter() - sent,
+            "prefill": meta.get("pdserve-prefill-worker", "?"), "decode": meta.get("pdserve-decode-worker", "?")}
 
 
 async def run_workload(address: str, prompts, offsets, output_len: int) -> list[dict]:
@@ -191,6 +194,9 @@ def run_pressure(policy: str, args, prompts) -> dict:
             "long_ttft_mean_ms": float(np.mean([r["ttft"] for r in long])) * 1000 if long else 0.0,
             "prefix_hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
             "prefill_requests_per_worker": per_prefill, "decode_requests_per_worker": per_decode,
+            "long_prefills_per_worker": [sum(r["prefill"] == p.address or (r["prefill"] == "-" and
+                                                                        r["decode"] == p.address) for r in long)
+                                         for p in procs[:2 * args.workers]],
             "wall_s": wall, "completed": len(ok), "failed": len(results) - len(ok), "kv_gib_per_worker": kv_gib,
             "errors": sorted({r["error"] for r in results if "error" in r})[:5]}
 
@@ -266,7 +272,8 @@ def pressure_main(args) -> int:
     print(f"|---|{'---:|' * len(names)}")
     for label, key, fmt in PRESSURE_ROWS:
         print(f"| {label} | {' | '.join(format(results[n][key], fmt) for n in names)} |")
-    for label, key in (("prefills per prefill worker", "prefill_requests_per_worker"),
+    for label, key in (("long prefills per worker (P..., D...)", "long_prefills_per_worker"),
+                       ("prefills per prefill worker", "prefill_requests_per_worker"),
                        ("requests per decode worker", "decode_requests_per_worker")):
         print(f"| {label} | {' | '.join('/'.join(f'{n:.0f}' for n in results[p][key]) for p in names)} |")
     done = [f"{r['completed']}/{r['failed']}" for r in results.values()]

@@ -115,43 +115,43 @@ def rendezvous_rank(key: int, address: str) -> int:
 class PrefillSpeed:
     """A worker's prefill speed, learnt from calls that found it idle: duration = request_s + tokens * token_s.
 
-    An exponentially weighted least-squares fit (weight `alpha` on the newest call), so it follows a
-    worker that slows down (outside load, a bigger batch) and needs no configuration. Until the calls
-    vary enough in size to separate the two terms, the per-request part keeps its prior share.
+    Two exponentially weighted averages (weight `alpha` on the newest call), so it follows a worker
+    that slows down (outside load, a bigger batch) and needs no configuration: calls computing at least
+    LONG_TOKENS update `token_s` (their duration less `request_s`, per token), shorter ones (cache hits)
+    update `request_s` (their duration less their tokens' share). The first call of each kind replaces
+    the prior. Unlike a least-squares fit of both terms, a noisy pair of calls can never make the
+    slope negative or tiny.
     """
 
-    def __init__(self, alpha: float = 0.1, prior_token_s: float = DEFAULT_TOKEN_S, prior_request_s: float = 0.1152):
+    LONG_TOKENS = 64
+
+    def __init__(self, alpha: float = 0.2, prior_token_s: float = DEFAULT_TOKEN_S, prior_request_s: float = 0.1152):
         self.alpha = alpha
         self.prior_token_s = prior_token_s
         self.prior_request_s = prior_request_s
+        self.token_s = prior_token_s
+        self.request_s = prior_request_s
         self.count = 0
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._seen_long = self._seen_short = False
 
     def observe(self, tokens: int, seconds: float) -> None:
         if seconds <= 0 or tokens < 0:
             return
-        d = 1 - self.alpha
-        self._w = d * self._w + 1
-        self._x = d * self._x + tokens
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + tokens * tokens
-        self._xy = d * self._xy + tokens * seconds
         self.count += 1
+        if tokens >= self.LONG_TOKENS:
+            value = max(seconds - self.request_s, 0.5 * seconds) / tokens
+            a = self.alpha if self._seen_long else 1.0
+            self.token_s += a * (value - self.token_s)
+            self._seen_long = True
+        else:
+            value = max(seconds - tokens * self.token_s, 0.0)
+            a = self.alpha if self._seen_short else 1.0
+            self.request_s += a * (value - self.request_s)
+            self._seen_short = True
 
     def estimate(self) -> tuple[float, float]:
         """(token_s, request_s)."""
-        if self.count < 2:
-            return self.prior_token_s, self.prior_request_s
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var > 64.0 ** 2:  # calls differ by more than ~4 blocks: fit both terms
-            token_s = (self._xy / self._w - mx * my) / var
-            request_s = my - token_s * mx
-            if token_s > 0 and request_s >= 0:
-                return token_s, request_s
-        share = self.prior_request_s / (self.prior_request_s + self.prior_token_s * max(mx, 1.0))
-        request_s = my * share
-        return max(1e-7, (my - request_s) / max(mx, 1.0)), request_s
+        return self.token_s, self.request_s
 
 
 class RoutingPolicy:

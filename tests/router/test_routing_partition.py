@@ -105,11 +105,11 @@ def test_two_policies_with_the_same_view_choose_identically():
 def test_prefill_speed_is_learnt_from_observed_calls():
     speed = PrefillSpeed()
     assert speed.estimate() == (speed.prior_token_s, speed.prior_request_s)
-    for i in range(30):  # 2 ms per token + 50 ms per request, misses and hits mixed
+    for i in range(40):  # 2 ms per token + 50 ms per request, misses and hits mixed
         tokens = 600 if i % 3 == 0 else 20
         speed.observe(tokens, 0.05 + 0.002 * tokens)
     token_s, request_s = speed.estimate()
-    assert token_s == pytest.approx(0.002, rel=0.01) and request_s == pytest.approx(0.05, rel=0.05)
+    assert token_s == pytest.approx(0.002, rel=0.02) and request_s == pytest.approx(0.05, rel=0.05)
     one_size = PrefillSpeed()
     for _ in range(5):
         one_size.observe(600, 1.2)
