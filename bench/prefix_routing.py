@@ -21,6 +21,16 @@ actually reused). The router's own view (KV index) is reported too:
 router_prefix_hit_blocks_total / router_prefix_query_blocks_total.
 
   PYTHONPATH=. .venv/bin/python bench/prefix_routing.py [--request-rate 2.5]
+
+`--scenario pressure` (issue 21): --workers prefill and as many decode workers (float32), router
+defaults (decode prefills itself when it holds all but 32 tokens), --num-system-prompts prompts
+behind a shared 8-token header x --questions questions each, shuffled, sent by --concurrency
+clients one request at a time; every worker's cache holds --kv-fraction (2/3) of the prompts. Reports
+long prefills (requests whose prefill computed more than their question; ideal = one per system
+prompt), TTFT percentiles and per-worker counts:
+
+  PYTHONPATH=. .venv/bin/python bench/prefix_routing.py --scenario pressure --num-system-prompts 24 \
+      --system-len 592 --suffix-len 12 --output-len 2 --concurrency 4 --policies prefix,round_robin
 """
 from __future__ import annotations
 
