@@ -196,14 +196,15 @@ class RoutingPolicy:
     def pick_prefill(self, candidates: list[Candidate], prompt_blocks: int, key: int | None = None,
                      block_size: int = DEFAULT_BLOCK_SIZE) -> Candidate | None:
         return self._pick("prefill", candidates, lambda c: self.prefill_cost(c, prompt_blocks, block_size),
-                          key, lambda best: self.weights.tie_ratio * best)
+                          key, lambda best: self.weights.tie_ratio * best, min(prompt_blocks, KEY_BLOCKS))
 
     def pick_decode(self, candidates: list[Candidate], prompt_blocks: int = 0,
                     key: int | None = None) -> Candidate | None:
         return self._pick("decode", candidates, lambda c: self.decode_cost(c, prompt_blocks),
-                          key, lambda best: self.weights.decode_tie)
+                          key, lambda best: self.weights.decode_tie, min(prompt_blocks, KEY_BLOCKS))
 
-    def _pick(self, role: str, candidates: list[Candidate], cost, key, tolerance) -> Candidate | None:
+    def _pick(self, role: str, candidates: list[Candidate], cost, key, tolerance,
+              key_blocks: int = KEY_BLOCKS) -> Candidate | None:
         if not candidates:
             return None
         if self.name == "round_robin":
@@ -219,5 +220,7 @@ class RoutingPolicy:
         best = min(t[0] for t in costs)
         bound = best + tolerance(best) + 1e-12
         near = [c for value, c in costs if value <= bound]
-        held = min(KEY_BLOCKS, max(c.cached_blocks for c in near)) if self.uses_prefix else 0
-        return max(near, key=lambda c: (held > 0 and c.cached_blocks >= held, rendezvous_rank(key, c.address)))
+        # A holder is one with the key blocks themselves: holding only a header every prompt shares
+        # (a chat template, a common system preamble) must not pull every new prefix to one worker.
+        holds = self.uses_prefix and key_blocks > 0
+        return max(near, key=lambda c: (holds and c.cached_blocks >= key_blocks, rendezvous_rank(key, c.address)))

@@ -68,6 +68,18 @@ def test_near_ties_prefer_the_holder_then_the_home():
     assert policy.pick_prefill([a, b], 40, key) is home
 
 
+def test_a_shared_header_block_does_not_make_a_holder():
+    # Every prompt starts with the same 2-block preamble; whoever served the first one holds it.
+    # New prefixes must still spread by their own key, not all follow the preamble's holder.
+    policy = RoutingPolicy("prefix")
+    pool = [Candidate("a:1", cached_blocks=2), Candidate("b:1")]
+    chosen = set()
+    for i in range(40):
+        hashes = hash_full_blocks([5] * 2 * BS + [9000 + i] + list(range(1, 38 * BS)), BS)
+        chosen.add(policy.pick_prefill(pool, len(hashes), routing_key(hashes)).address)
+    assert chosen == {"a:1", "b:1"}
+
+
 def test_decode_choice_prefers_the_worker_holding_the_context():
     policy = RoutingPolicy("prefix")
     hashes = prompt_hashes(5)
