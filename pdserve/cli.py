@@ -89,13 +89,21 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=None,
                    help="serve the OpenAI-compatible HTTP API here (/v1/completions, /v1/chat/completions, ...)")
     p.add_argument("--routing-policy", default="prefix", choices=["prefix", "least_loaded", "round_robin", "random"],
-                   help="prefix: fewest uncached prompt blocks plus load (KV events); see router/routing_policy.py")
+                   help="prefix: least predicted TTFT from cached blocks (KV events) and load, caches "
+                        "partitioned by rendezvous hash; see router/routing_policy.py")
     p.add_argument("--overlap-weight", type=float, default=1.0,
                    help="prefix policy: cost of an uncached prompt block relative to a block of queued work")
     p.add_argument("--prefill-request-weight", type=float, default=8.0,
                    help="prefill choice: fixed cost of one request, in blocks of prompt")
     p.add_argument("--kv-weight", type=float, default=4.0,
                    help="decode choice: cost of a full KV pool, in running requests")
+    p.add_argument("--pollution-weight", type=float, default=1.0,
+                   help="prefix policy: cost of evicting a cached block relative to computing one")
+    p.add_argument("--tie-ratio", type=float, default=0.2,
+                   help="prefix policy: costs within this fraction of the best are near-ties "
+                        "(holder, then rendezvous-hash home)")
+    p.add_argument("--decode-hold-weight", type=float, default=2.0,
+                   help="prefix policy, decode choice: cost of not holding the prompt, in running requests")
     p.add_argument("--skip-prefill-tokens", type=int, default=32,
                    help="the decode worker prefills itself when fewer prompt tokens than this are uncached there")
     p.add_argument("--max-queue-len", type=int, default=256,
@@ -118,7 +126,10 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
     return RouterConfig(model=args.model, host=args.host, port=args.port, prefill_workers=prefill,
                         decode_workers=decode, routing_policy=args.routing_policy,
                         routing_weights=RoutingWeights(args.overlap_weight, args.kv_weight,
-                                                       args.prefill_request_weight),
+                                                       args.prefill_request_weight,
+                                                       pollution_weight=args.pollution_weight,
+                                                       tie_ratio=args.tie_ratio,
+                                                       hold_weight=args.decode_hold_weight),
                         skip_prefill_tokens=args.skip_prefill_tokens, redis_url=args.redis_url,
                         registry_ttl_s=args.registry_ttl_s, max_queue_len=args.max_queue_len,
                         queue_timeout_s=args.queue_timeout_s, retry_after_s=args.retry_after_s,

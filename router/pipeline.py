@@ -153,11 +153,17 @@ class GenerationPipeline:
             route.prefill = worker
             touched.append(worker)
             uncached = max(0, len(prompt) - cached_blocks * self.selector.block_size)
+            idle = worker.working == 0 and not (worker.stats and worker.stats.num_waiting_tokens)
+            started = asyncio.get_running_loop().time()
             worker.in_flight += 1
             worker.pending_tokens += uncached
             worker.pending_prompts[sample_id] = hashes
             try:
-                return await worker.stub.Prefill(request, timeout=_remaining(deadline))
+                first = await worker.stub.Prefill(request, timeout=_remaining(deadline))
+                if idle:  # nothing ahead of it: the call's duration is this prompt's prefill
+                    worker.speed.observe(len(prompt) - first.cached_tokens,
+                                         asyncio.get_running_loop().time() - started)
+                return first
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._recheck(worker)

@@ -1,28 +1,42 @@
-"""How a worker is chosen: one cost formula per role, deterministic tie-breaks. No I/O.
+"""How a worker is chosen: one cost per role, in predicted time, and a deterministic pick. No I/O.
 
-Prefill (policy `prefix`), in KV blocks of work:
+Prefill (policy `prefix`), in seconds of expected time to first token:
 
-    cost = overlap_weight * uncached_prompt_blocks + queued_blocks + request_weight * running
+    cost = wait + compute + pollution
+    wait      = queued_tokens * token_s + running * request_s       (work ahead of the prompt)
+    compute   = overlap_weight * uncached_tokens * token_s + request_s
+    pollution = pollution_weight * evicted_blocks * block_size * token_s
 
-where `uncached_prompt_blocks` is what the worker would have to compute (its
-prefix cache, as the KV index knows it, covers the rest), `queued_blocks` the
-uncached prompt blocks already waiting there and `running` the requests it
-holds. `request_weight` is the fixed cost of one request in blocks of prefill
-(attention over its cached context, the LM head, scheduling): measured here
-(SmolLM2, CPU) a 1,032-token miss takes 1.05 s and a 32-token suffix over a
-cached 1,000-token prefix 0.15 s, i.e. ~0.9 ms per new token plus ~0.12 s per
-request = 8 blocks. Without it, a worker holding popular prefixes would pile
-up cheap-looking hits until it is the slowest place to send anything. Lowest cost wins;
-ties go to the lexicographically smallest address, so every router with the
-same view makes the same choice. `least_loaded` is the same formula without
-the cache term.
+`token_s` (seconds per uncached prompt token) and `request_s` (fixed cost of one
+request: attention over its cached context, the LM head, scheduling) are learnt
+online per worker by `PrefillSpeed` from the router's own prefill calls; until
+then they default to the SmolLM2/CPU measurement (0.9 ms per token, 8 blocks'
+worth per request). `evicted_blocks` is how many cached blocks the prompt's
+uncached ones would push out (the worker's pool is full of others' prefixes):
+each will cost about its own compute again when its owner returns. That term is
+the hysteresis under cache pressure: moving a prefix to an idle worker pays for
+the miss *and* for what the copy evicts there, so a prefix stays on its holder
+until the holder's queue costs more than both. Without pressure a copy is cheap
+and the prefix spreads to wherever it is served soonest.
 
-Decode, in requests:
+The pick is deterministic, and partitions the pool's caches: candidates whose
+cost is within `tie_ratio` of the best are near-ties; among them a holder of the
+prompt's key blocks wins, else the one ranked first by rendezvous hashing of the
+prompt's key (the hash of its first `KEY_BLOCKS` blocks, a chained hash) over
+the addresses. So new prefixes spread evenly over an idle pool, a prefix
+evicted everywhere returns to the same home, and a worker joining or leaving
+moves only the prefixes homed on it. Every router with the same view makes the
+same choice. Without a key (a prompt shorter than a block) exact ties go to
+the smallest address. `least_loaded` is the same cost without the cache terms.
 
-    cost = running + kv_weight * kv_usage_fraction
+Decode, in running requests:
 
-(decode allocates its own blocks and reuses its own prefix cache, so free KV
-and running sequences are what matter).
+    cost = running + kv_weight * kv_usage + hold_weight * uncached_fraction
+
+where `uncached_fraction` is the part of the prompt the worker does not hold
+(it would pull it from prefill, or skip remote prefill when it holds nearly
+all of it): a returning conversation goes back to where its context lives.
+Near-ties (within `decode_tie`) are broken the same way as prefill.
 
 `round_robin` cycles through the candidates sorted by address; `random` draws.
 """
@@ -31,7 +45,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import xxhash
+
 POLICIES = ("prefix", "least_loaded", "round_robin", "random")
+KEY_BLOCKS = 4
+"""The prompt's routing key is the chained hash of its first (up to) 4 blocks: 64 tokens covers a chat
+template's header and the start of the system prompt, where the first block alone often does not."""
+DEFAULT_TOKEN_S = 0.0009
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -45,6 +66,12 @@ class Candidate:
     kv_blocks_total: int = 0
     cached_blocks: int = 0
     """Leading prompt blocks the worker already holds (from the KV index)."""
+    kv_blocks_cached: int = 0
+    """Blocks the worker's prefix cache holds (KV index), in use or not: how full its pool is."""
+    token_s: float | None = None
+    """Learnt seconds per uncached prompt token; None: the policy's default."""
+    request_s: float | None = None
+    """Learnt fixed seconds per request; None: the policy's default."""
 
     @property
     def kv_usage(self) -> float:
@@ -58,11 +85,73 @@ class RoutingWeights:
     kv_weight: float = 4.0
     """Decode: cost of a full KV pool, in running requests."""
     request_weight: float = 8.0
-    """Prefill: fixed cost of one request, in blocks of prompt."""
+    """Prefill: default fixed cost of one request, in blocks of prompt (until learnt)."""
+    pollution_weight: float = 1.0
+    """Prefill: cost of evicting one cached block, relative to computing one block."""
+    tie_ratio: float = 0.2
+    """Costs within this fraction of the best are near-ties, broken by holder then rendezvous hash."""
+    hold_weight: float = 2.0
+    """Decode: cost of not holding the prompt at all, in running requests."""
+    decode_tie: float = 0.5
+    """Decode: costs within this many running requests of the best are near-ties."""
 
     def __post_init__(self) -> None:
-        if self.overlap_weight < 0 or self.kv_weight < 0 or self.request_weight < 0:
-            raise ValueError("routing weights must be >= 0")
+        for name in ("overlap_weight", "kv_weight", "request_weight", "pollution_weight", "tie_ratio",
+                     "hold_weight", "decode_tie"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"routing weights must be >= 0 ({name})")
+
+
+def routing_key(block_hashes: list[int]) -> int | None:
+    """The prompt's partition key: its chained hash after KEY_BLOCKS blocks (or fewer); None without one."""
+    return block_hashes[min(len(block_hashes), KEY_BLOCKS) - 1] if block_hashes else None
+
+
+def rendezvous_rank(key: int, address: str) -> int:
+    """Highest random weight: the candidate with the largest rank is the key's home."""
+    return xxhash.xxh64_intdigest(address.encode(), seed=key & 0xFFFFFFFFFFFFFFFF)
+
+
+class PrefillSpeed:
+    """A worker's prefill speed, learnt from calls that found it idle: duration = request_s + tokens * token_s.
+
+    Two exponentially weighted averages (weight `alpha` on the newest call), so it follows a worker
+    that slows down (outside load, a bigger batch) and needs no configuration: calls computing at least
+    LONG_TOKENS update `token_s` (their duration less `request_s`, per token), shorter ones (cache hits)
+    update `request_s` (their duration less their tokens' share). The first call of each kind replaces
+    the prior. Unlike a least-squares fit of both terms, a noisy pair of calls can never make the
+    slope negative or tiny.
+    """
+
+    LONG_TOKENS = 64
+
+    def __init__(self, alpha: float = 0.2, prior_token_s: float = DEFAULT_TOKEN_S, prior_request_s: float = 0.1152):
+        self.alpha = alpha
+        self.prior_token_s = prior_token_s
+        self.prior_request_s = prior_request_s
+        self.token_s = prior_token_s
+        self.request_s = prior_request_s
+        self.count = 0
+        self._seen_long = self._seen_short = False
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or tokens < 0:
+            return
+        self.count += 1
+        if tokens >= self.LONG_TOKENS:
+            value = max(seconds - self.request_s, 0.5 * seconds) / tokens
+            a = self.alpha if self._seen_long else 1.0
+            self.token_s += a * (value - self.token_s)
+            self._seen_long = True
+        else:
+            value = max(seconds - tokens * self.token_s, 0.0)
+            a = self.alpha if self._seen_short else 1.0
+            self.request_s += a * (value - self.request_s)
+            self._seen_short = True
+
+    def estimate(self) -> tuple[float, float]:
+        """(token_s, request_s)."""
+        return self.token_s, self.request_s
 
 
 class RoutingPolicy:
@@ -78,22 +167,44 @@ class RoutingPolicy:
     def uses_prefix(self) -> bool:
         return self.name == "prefix"
 
-    def prefill_cost(self, c: Candidate, prompt_blocks: int) -> float:
-        load = c.queued_blocks + self.weights.request_weight * c.running
+    def speeds(self, c: Candidate, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[float, float]:
+        token_s = c.token_s if c.token_s is not None else DEFAULT_TOKEN_S
+        request_s = c.request_s if c.request_s is not None else self.weights.request_weight * block_size * token_s
+        return token_s, request_s
+
+    def prefill_cost(self, c: Candidate, prompt_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+        """Expected seconds to the prompt's first token on `c` (plus, for `prefix`, what its copy evicts)."""
+        token_s, request_s = self.speeds(c, block_size)
+        wait = c.queued_blocks * block_size * token_s + c.running * request_s
         if not self.uses_prefix:
-            return load
-        return self.weights.overlap_weight * (prompt_blocks - c.cached_blocks) + load
+            return wait
+        uncached = max(0, prompt_blocks - c.cached_blocks)
+        compute = self.weights.overlap_weight * uncached * block_size * token_s + request_s
+        cost = wait + compute
+        if c.kv_blocks_total and self.weights.pollution_weight:
+            free = c.kv_blocks_total - max(c.kv_blocks_cached, c.kv_blocks_used)
+            evicted = max(0, uncached - free)
+            cost += self.weights.pollution_weight * evicted * block_size * token_s
+        return cost
 
-    def decode_cost(self, c: Candidate) -> float:
-        return c.running + self.weights.kv_weight * c.kv_usage
+    def decode_cost(self, c: Candidate, prompt_blocks: int = 0) -> float:
+        cost = c.running + self.weights.kv_weight * c.kv_usage
+        if self.uses_prefix and prompt_blocks:
+            cost += self.weights.hold_weight * max(0, prompt_blocks - c.cached_blocks) / prompt_blocks
+        return cost
 
-    def pick_prefill(self, candidates: list[Candidate], prompt_blocks: int) -> Candidate | None:
-        return self._pick("prefill", candidates, lambda c: self.prefill_cost(c, prompt_blocks))
+    def pick_prefill(self, candidates: list[Candidate], prompt_blocks: int, key: int | None = None,
+                     block_size: int = DEFAULT_BLOCK_SIZE) -> Candidate | None:
+        return self._pick("prefill", candidates, lambda c: self.prefill_cost(c, prompt_blocks, block_size),
+                          key, lambda best: self.weights.tie_ratio * best, min(prompt_blocks, KEY_BLOCKS))
 
-    def pick_decode(self, candidates: list[Candidate]) -> Candidate | None:
-        return self._pick("decode", candidates, self.decode_cost)
+    def pick_decode(self, candidates: list[Candidate], prompt_blocks: int = 0,
+                    key: int | None = None) -> Candidate | None:
+        return self._pick("decode", candidates, lambda c: self.decode_cost(c, prompt_blocks),
+                          key, lambda best: self.weights.decode_tie, min(prompt_blocks, KEY_BLOCKS))
 
-    def _pick(self, role: str, candidates: list[Candidate], cost) -> Candidate | None:
+    def _pick(self, role: str, candidates: list[Candidate], cost, key, tolerance,
+              key_blocks: int = KEY_BLOCKS) -> Candidate | None:
         if not candidates:
             return None
         if self.name == "round_robin":
@@ -103,4 +214,13 @@ class RoutingPolicy:
             return ordered[turn % len(ordered)]
         if self.name == "random":
             return self._random.choice(candidates)
-        return min(candidates, key=lambda c: (cost(c), c.address))
+        costs = [(cost(c), c) for c in candidates]
+        if key is None:
+            return min(costs, key=lambda t: (t[0], t[1].address))[1]
+        best = min(t[0] for t in costs)
+        bound = best + tolerance(best) + 1e-12
+        near = [c for value, c in costs if value <= bound]
+        # A holder is one with the key blocks themselves: holding only a header every prompt shares
+        # (a chat template, a common system preamble) must not pull every new prefix to one worker.
+        holds = self.uses_prefix and key_blocks > 0
+        return max(near, key=lambda c: (holds and c.cached_blocks >= key_blocks, rendezvous_rank(key, c.address)))

@@ -19,6 +19,7 @@ import grpc
 
 from pdserve.grpc_common import insecure_channel
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
+from router.routing_policy import PrefillSpeed
 
 logger = logging.getLogger(__name__)
 MAX_SLOW_POLLS = 3
@@ -39,6 +40,8 @@ class WorkerClient:
     """Prefill: uncached prompt tokens of this router's Prefill calls in progress."""
     pending_prompts: dict[str, list[int]] = field(default_factory=dict)
     """Prefill: block hashes of this router's Prefill calls in progress, by sample id."""
+    speed: PrefillSpeed = field(default_factory=PrefillSpeed, repr=False)
+    """Prefill: its speed as learnt from this router's calls that found it idle."""
     stats: worker_pb2.WorkerStats | None = None
     last_error: str = ""
     slow_polls: int = 0

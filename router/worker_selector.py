@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from engine.block_hash import hash_full_blocks
 from router.admission import AdmissionQueue, AdmissionRejected
 from router.kv_index import KvIndex
-from router.routing_policy import Candidate, RoutingPolicy
+from router.routing_policy import Candidate, RoutingPolicy, routing_key
 from router.worker_pool import WorkerClient, WorkerPool
 
 DEFAULT_BLOCK_SIZE = 16
@@ -89,7 +89,7 @@ class WorkerSelector:
             return None
         roomy = [w for w in workers if w.has_room] or workers  # the worker itself refuses if really full
         chosen = self.policy.pick_prefill(self._candidates(roomy, block_hashes, in_progress=True),
-                                          len(block_hashes))
+                                          len(block_hashes), routing_key(block_hashes), self.block_size)
         worker = self.pool.get(chosen.address)
         if self.metrics is not None:
             self.metrics.observe_prefill(worker, len(block_hashes), chosen.cached_blocks)
@@ -103,7 +103,8 @@ class WorkerSelector:
         prefill = self.pool.healthy("prefill")
         if prefill and not any(w.has_room for w in prefill):
             return None  # (none healthy at all: the prefill pick reports UNAVAILABLE)
-        chosen = self.policy.pick_decode(self._candidates(decode, block_hashes))
+        chosen = self.policy.pick_decode(self._candidates(decode, block_hashes), len(block_hashes),
+                                         routing_key(block_hashes))
         worker = self.pool.get(chosen.address)
         worker.in_flight += 1
         uncached = len(prompt) - chosen.cached_blocks * self.block_size
@@ -122,9 +123,12 @@ class WorkerSelector:
             held = cached.get(w.address, 0)
             if in_progress and self.policy.uses_prefix:
                 held = max([held, *(_common_prefix(block_hashes, p) for p in w.pending_prompts.values())])
+            token_s, request_s = w.speed.estimate() if w.role == "prefill" else (None, None)
             out.append(Candidate(w.address, queued_blocks=queued / block_size,
                                  running=w.working, kv_blocks_used=s.kv_blocks_used if s else 0,
-                                 kv_blocks_total=s.kv_blocks_total if s else 0, cached_blocks=held))
+                                 kv_blocks_total=s.kv_blocks_total if s else 0, cached_blocks=held,
+                                 kv_blocks_cached=self.index.num_blocks(w.address),
+                                 token_s=token_s, request_s=request_s))
         return out
 
 
