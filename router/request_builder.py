@@ -68,8 +68,9 @@ class RequestBuilder:
         if kind == "text" and len(msg.text) > self.max_prompt_chars:
             raise InvalidParameter("text", f"{len(msg.text)} characters; at most {self.max_prompt_chars}")
         if kind == "tokens" and len(msg.tokens.ids) >= self.max_model_len:
-            raise InvalidParameter("tokens.ids", f"{len(msg.tokens.ids)} tokens; the context holds "
-                                                 f"{self.max_model_len} (prompt plus at least one new token)")
+            # The same field and words as the length check after tokenizing (clients match on them).
+            raise InvalidParameter("input", f"the prompt has {len(msg.tokens.ids)} tokens; the context holds "
+                                            f"{self.max_model_len} (prompt plus at least one new token)")
         if kind == "chat":
             chars = sum(len(m.content) + len(m.role) for m in msg.chat.messages)
             if chars > self.max_prompt_chars:
