@@ -18,7 +18,8 @@ processes on one host.
 block shape (16 layers, 8 KV heads, head dim 64, block 16, bf16: 512 KiB a
 block), 1, 16, 128 and 1,024 blocks. Backends ``nixl`` (VRAM; ``cuda_ipc``
 between the processes) when it imports, and ``tcp``, which on a CUDA pool is the
-pinned-host staging fallback (``tcp-staged``). References, same run, same
+pinned-host staging fallback (``tcp-staged``), and ``cuda-ipc``, the same-host
+CUDA IPC mode (the receiver maps the sender's pool, one copy kernel). References, same run, same
 blocks: a device-to-device gather (``index_select``) in this process, and
 pinned-host memcpy (device->host and host->device) of the same bytes, the
 ceiling of the staging path's copies. (``tcp-staged`` on ``--device cpu`` runs
@@ -81,11 +82,18 @@ def _addr(pool) -> int:
     return int(pool.data_ptr()) if hasattr(pool, "data_ptr") else int(pool.ctypes.data)
 
 
-def _config(backend: str) -> KVTransferConfig:
-    """``tcp-staged``: the TCP path through host staging buffers even for a host pool."""
+def _config(backend: str, tuning: dict) -> KVTransferConfig:
+    """``tcp-staged``: the TCP path through host staging buffers even for a host pool.
+    ``cuda-ipc``: the same-host CUDA IPC mode (on a TCP side); every other row has it off,
+    so each row measures its own path. ``tcp-socket``: staged blocks through the socket even
+    on one host (as between hosts); plain ``tcp`` shares the staging buffers on one host."""
     if backend == "tcp-staged":
-        return KVTransferConfig(backend="tcp", staging="always")
-    return KVTransferConfig(backend=backend)
+        return KVTransferConfig(backend="tcp", staging="always", cuda_ipc=False, **tuning)
+    if backend == "cuda-ipc":
+        return KVTransferConfig(backend="tcp", cuda_ipc=True, **tuning)
+    if backend == "tcp-socket":
+        return KVTransferConfig(backend="tcp", cuda_ipc=False, staging_shm=False, **tuning)
+    return KVTransferConfig(backend=backend, cuda_ipc=False, **tuning)
 
 
 def _recv(conn, proc, timeout: float = PIPE_TIMEOUT_S):
@@ -99,11 +107,11 @@ def _recv(conn, proc, timeout: float = PIPE_TIMEOUT_S):
     return conn.recv()
 
 
-def _sender_main(conn, backend: str, layout_dict: dict, num_blocks: int) -> None:
+def _sender_main(conn, backend: str, layout_dict: dict, num_blocks: int, tuning: dict) -> None:
     try:
         layout = KVLayout(**layout_dict)
         pool = _pool(layout, num_blocks, 1)
-        sender = make_sender(pool, layout, _config(backend))
+        sender = make_sender(pool, layout, _config(backend, tuning))
         conn.send(("ok", (sender.peer_info(), sender.backend_name, _addr(pool))))
     except Exception as e:
         conn.send(("err", repr(e)))
@@ -184,11 +192,13 @@ def _reps(n: int, cuda: bool = False) -> int:
 
 
 def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], pool_blocks: int,
-                recv_pool, verifier: _Verifier, rng: np.random.Generator) -> dict:
+                recv_pool, verifier: _Verifier, rng: np.random.Generator, tuning: dict | None = None) -> dict:
     cuda = layout.device == "cuda"
+    tuning = tuning or {}
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_sender_main, args=(child, backend, layout.to_dict(), pool_blocks), daemon=True)
+    proc = ctx.Process(target=_sender_main, args=(child, backend, layout.to_dict(), pool_blocks, tuning),
+                       daemon=True)
     proc.start()
     child.close()
     recv = None
@@ -197,7 +207,7 @@ def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], po
         if status != "ok":
             raise RuntimeError(f"sender could not start: {value}")
         info, sender_backend, remote_base = value
-        recv = make_receiver(recv_pool, layout, _config(backend))
+        recv = make_receiver(recv_pool, layout, _config(backend, tuning))
         results = {"sender_backend": sender_backend, "receiver_backend": recv.backend_name,
                    "receiver_selection": recv.selection}
         for label, n in cases:
@@ -231,6 +241,9 @@ def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], po
                 results[label]["process_vm_readv_gb_per_s"] = nbytes / cma / 1e9
             except OSError as e:
                 results[label]["process_vm_readv_error"] = repr(e)
+        results["cuda_ipc_pulls"] = recv.stats()["cuda_ipc_pulls"]
+        if (backend == "cuda-ipc") != (results["cuda_ipc_pulls"] > 0):
+            raise RuntimeError(f"{backend}: {results['cuda_ipc_pulls']} pulls went over CUDA IPC")
         recv.close()
         conn.send(None)
         leak = _recv(conn, proc)
@@ -326,31 +339,37 @@ def _print_cuda(out: dict, block_nbytes: int) -> None:
           f"block = {block_nbytes:,} bytes (Llama-1B shape, 16 tokens), random non-contiguous block ids, "
           "median of reps, every pull verified bit-exact")
     head = f"{'blocks':>7} {'MB':>8} {'d2d gather':>11} {'pinned D2H':>11} {'pinned H2D':>11}"
-    names = {b: (res.get("receiver_backend") or b) for b, res in out["backends"].items()}
+    names = {b: b if b in ("cuda-ipc", "tcp-socket") else (res.get("receiver_backend") or b)
+             for b, res in out["backends"].items()}
     for b in out["backends"]:
-        head += f" {names[b] + ' GB/s':>16} {names[b] + ' ms':>14}"
+        head += f" {names[b] + ' GB/s':>16} {names[b] + ' ms':>14} {'%gather':>8}"
     print(head + "   (GB/s unless marked)")
     for label, ref in out["references"].items():
         row = (f"{label:>7} {ref['bytes'] / 1e6:>8.2f} {ref['d2d_gather_gb_per_s']:>11.1f} "
                f"{ref['pinned_d2h_gb_per_s']:>11.1f} {ref['pinned_h2d_gb_per_s']:>11.1f}")
         for res in out["backends"].values():
             if "error" in res:
-                row += f" {'n/a':>16} {'n/a':>14}"
+                row += f" {'n/a':>16} {'n/a':>14} {'':>8}"
                 continue
             r = res[label]
-            row += f" {r['gb_per_s']:>16.2f} {r['median_s'] * 1e3:>14.3f}"
+            row += (f" {r['gb_per_s']:>16.2f} {r['median_s'] * 1e3:>14.3f}"
+                    f" {100 * r['gb_per_s'] / ref['d2d_gather_gb_per_s']:>7.0f}%")
         print(row)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--backends", default="nixl,tcp")
+    ap.add_argument("--backends", default=None, help="default cpu: nixl,tcp; cuda: cuda-ipc,nixl,tcp,tcp-socket")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--sizes", default=None, help="block counts (default cpu: 1,16,256,4096; cuda: 1,16,128,1024)")
+    ap.add_argument("--socket-buffer-mb", type=float, default=0, help="SO_SNDBUF/SO_RCVBUF (0: kernel autotuning)")
+    ap.add_argument("--staging-chunk-mb", type=float, default=8, help="bytes per staging buffer")
     ap.add_argument("--json", default=None, help="default bench/results/kv_transfer[_cuda].json")
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    tuning = {"socket_buffer_bytes": int(args.socket_buffer_mb * (1 << 20)),
+              "staging_chunk_bytes": int(args.staging_chunk_mb * (1 << 20))}
     if cuda:
         import torch
         if not torch.cuda.is_available():
@@ -369,7 +388,7 @@ def main() -> None:
     recv_pool = _pool(layout, pool_blocks, 2)
     host = {"cpus": os.cpu_count(), "python": platform.python_version()}
     out = {"device": args.device, "layout": layout.to_dict(), "block_nbytes": layout.block_nbytes,
-           "pool_blocks": pool_blocks, "host": host, "backends": {}}
+           "pool_blocks": pool_blocks, "host": host, "tuning": tuning, "backends": {}}
     if cuda:
         import torch
         host.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
@@ -377,9 +396,10 @@ def main() -> None:
     else:
         out["memcpy"] = cpu_references(layout, cases, pool_blocks, recv_pool)
     verifier = _Verifier(layout, recv_pool, pool_blocks)
-    for backend in args.backends.split(","):
+    for backend in (args.backends or ("cuda-ipc,nixl,tcp,tcp-socket" if cuda else "nixl,tcp")).split(","):
         try:
-            out["backends"][backend] = run_backend(backend, layout, cases, pool_blocks, recv_pool, verifier, rng)
+            out["backends"][backend] = run_backend(backend, layout, cases, pool_blocks, recv_pool, verifier, rng,
+                                                   tuning)
         except Exception as e:  # e.g. nixl not installed
             out["backends"][backend] = {"error": repr(e)}
     if cuda:

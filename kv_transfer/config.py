@@ -42,9 +42,16 @@ class KVTransferConfig:
     """Let NIXL run its own progress thread (off: progress on ``check_xfer_state``)."""
     nixl_self_test: bool = True
     """With ``backend="auto"``, run a loopback NIXL transfer before choosing NIXL."""
+    cuda_ipc: bool = True
+    """CUDA pools: a receiver on the sender's host (same boot, pid and IPC namespaces) maps the
+    sender's pool with CUDA IPC and pulls with one copy kernel, ahead of NIXL and TCP (see
+    :mod:`kv_transfer.cuda_ipc`). Off: such peers use the backend's own path."""
     staging: str = "auto"
     """TCP data path: ``"auto"`` stages only device (CUDA) memory through host buffers;
     ``"always"`` stages host memory too (runs the staging pipeline on CPU: tests, benchmarks)."""
+    staging_shm: bool = True
+    """Staging buffers are shared memory: between two staged sides of one host (same boot and
+    pid namespace) the blocks skip the socket (see :mod:`kv_transfer.shm_buffer`)."""
     staging_chunk_bytes: int = 8 << 20
     """Bytes per staging buffer (two per transfer in progress; rounded down to whole blocks,
     at least one): the unit of the copy/socket pipeline."""

@@ -25,9 +25,11 @@ from typing import Any
 
 from .base import KVReceiver
 from .config import KVTransferConfig
+from .cuda_ipc import IpcPuller, MappedPool, host_identity
 from .errors import IncompatiblePeerError, TransferRefusedError
 from .layout import PROTOCOL_VERSION, KVLayout
 from .memory import KVRegion
+from .shm_buffer import PeerBuffer, can_map_from
 from .staging import make_staging
 from .tcp_path import pull_blocks
 from .transfer import Transfer, TransferTable
@@ -36,12 +38,26 @@ from .wire import recv_msg, send_msg, tune_socket
 logger = logging.getLogger("pdserve.kv_transfer")
 
 
+#: Shared staging buffers of one sender kept mapped (its stagers in use at once, two buffers each).
+MAX_PEER_BUFFERS = 32
+
+
+class _IpcUnusable(Exception):
+    """The sender's pool could not be mapped here (the link falls back to another path)."""
+
+
 class PeerLink:
     """Control connection + worker thread for one sender instance."""
 
     def __init__(self, owner: ControlReceiver, peer_info: dict[str, Any], mode: str) -> None:
         self.owner = owner
+        self.peer_info = peer_info
         self.mode = mode
+        #: The sender's pool mapped here (``cuda_ipc`` mode), kept across reconnects to one instance.
+        self.mapped: MappedPool | None = None
+        #: The sender shares its staging buffers with us (same host): staged blocks skip the socket.
+        self.shm = False
+        self.peer_buffers: dict[tuple, PeerBuffer] = {}
         self.host = str(peer_info["host"])
         self.port = int(peer_info["port"])
         self.instance_id = peer_info.get("instance_id")
@@ -92,7 +108,32 @@ class PeerLink:
         self.interrupt()
         self._thread.join(timeout=5)
         self.disconnect()
+        self._unmap()
         self.owner._forget_peer(self)
+
+    def _map_peer_buffer(self, desc: dict) -> PeerBuffer:
+        """The sender's shared staging buffer ``desc`` mapped here (cached per buffer)."""
+        key = (int(desc["pid"]), int(desc["fd"]))
+        buf = self.peer_buffers.get(key)
+        if buf is not None and buf.key[2] == int(desc["inode"]) and buf.nbytes == int(desc["nbytes"]):
+            return buf
+        if buf is not None:  # that fd now holds another buffer
+            self.peer_buffers.pop(key).close()
+        if len(self.peer_buffers) >= MAX_PEER_BUFFERS:
+            self.peer_buffers.pop(next(iter(self.peer_buffers))).close()
+        buf = self.peer_buffers[key] = PeerBuffer(desc, pin=self.owner.staging.copier_pins)
+        return buf
+
+    def _unmap(self) -> None:
+        buffers, self.peer_buffers = list(self.peer_buffers.values()), {}
+        for buf in buffers:
+            buf.close()
+        mapped, self.mapped = self.mapped, None
+        if mapped is not None:
+            try:
+                mapped.close()
+            except Exception:
+                logger.exception("unmapping the CUDA IPC pool of %s:%s", self.host, self.port)
 
     def _run(self) -> None:
         while True:
@@ -115,8 +156,10 @@ class PeerLink:
         try:
             tune_socket(sock, self.owner.config.socket_buffer_bytes)
             layout = self.owner.layout
+            staging = self.owner.staging
+            shm_host = {"shm_host": host_identity()} if staging is not None and staging.shared else {}
             send_msg(sock, {"type": "hello", "version": PROTOCOL_VERSION,
-                            "backend": self.mode,
+                            "backend": self.mode, **shm_host,
                             "compat_hash": layout.compat_hash(), "layout": layout.to_dict()})
             hello, payload = recv_msg(sock, max_payload=self.owner.config.max_handshake_payload_bytes)
             if hello.get("type") == "refuse":
@@ -126,13 +169,36 @@ class PeerLink:
             if self.instance_id and hello.get("instance_id") != self.instance_id:
                 raise IncompatiblePeerError(
                     "sender restarted (instance id changed): its KV handle is stale")
-            if self.mode != "tcp":
+            if self.mode == "cuda_ipc":
+                self._map(hello)
+            elif self.mode != "tcp":
                 self.owner._on_connected(self, hello, payload)
+        except _IpcUnusable as e:
+            sock.close()
+            self._fall_back(t, str(e))
+            return
         except BaseException:
             sock.close()
             raise
         self.hello = hello
+        self.shm = self.mode == "tcp" and bool(hello.get("shm_pid")) and can_map_from(hello["shm_pid"])
         self.sock = sock
+
+    def _map(self, hello: dict) -> None:
+        if self.mapped is not None:
+            return  # same sender instance (checked above): its pool is still mapped
+        try:
+            self.mapped = MappedPool(hello, self.owner.region)
+        except Exception as e:
+            raise _IpcUnusable(f"cannot map the sender's pool: {e}") from e
+
+    def _fall_back(self, t: Transfer, why: str) -> None:
+        """CUDA IPC did not work with this sender: use the next data path, for good."""
+        self.owner._ipc_refused.add(str(self.instance_id))
+        mode = self.owner._mode_for(self.peer_info)
+        logger.warning("kv_transfer: CUDA IPC with %s:%s unusable (%s); using %s", self.host, self.port, why, mode)
+        self.mode = mode
+        self._connect(t)
 
     def _run_one(self, t: Transfer) -> None:
         if t.state.is_terminal:  # aborted or expired while queued: let the sender free
@@ -159,7 +225,7 @@ class PeerLink:
         try:
             sock = self.sock
             sock.settimeout(max(0.001, t.remaining()))
-            send_msg(sock, {"type": "read", "tid": t.transfer_id, "blocks": remote})
+            send_msg(sock, {"type": "read", "tid": t.transfer_id, "blocks": remote, "shm": self.shm})
             reply, _ = recv_msg(sock)
             if reply.get("type") == "refuse_read":
                 raise TransferRefusedError(f"sender refused the read: {reply.get('reason')}")
@@ -167,7 +233,11 @@ class PeerLink:
                 raise ConnectionError(f"unexpected reply {reply}")
             t.set_transferring()
             if self.mode == "tcp":
-                nbytes = pull_blocks(sock, self.owner.region, t, reply, self.owner.staging)
+                nbytes = pull_blocks(sock, self.owner.region, t, reply, self.owner.staging,
+                                     self._map_peer_buffer if self.shm else None)
+            elif self.mode == "cuda_ipc":
+                nbytes = self.owner._ipc.pull(self.mapped, remote, list(t.block_ids))
+                self.owner._ipc_pulls += 1
             else:
                 nbytes = self.owner._pull(self, t, reply)
             send_msg(sock, {"type": "done", "tid": t.transfer_id})
@@ -216,12 +286,26 @@ class ControlReceiver(KVReceiver):
         self.layout = layout
         self.region = KVRegion.from_buffer(kv_cache, layout)
         #: Host buffers the tcp data path stages device memory through (None: host pool).
-        self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes)
+        self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes,
+                                    shared=config.staging_shm)
+        #: Copies out of same-host senders' mapped CUDA pools (``cuda_ipc`` mode), if possible here.
+        self._ipc = self._make_ipc_puller()
+        self._ipc_refused: set[str] = set()
+        self._ipc_pulls = 0
         self._table = TransferTable("recv")
         self._links: dict[tuple, PeerLink] = {}
         self._closing: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    def _make_ipc_puller(self) -> IpcPuller | None:
+        if not (self.region.is_cuda and self.config.cuda_ipc):
+            return None
+        try:
+            return IpcPuller(self.region)
+        except Exception as e:  # e.g. a pool torch cannot view as bytes
+            logger.info("CUDA IPC pulls unavailable for this pool (%s)", e)
+            return None
 
     # -- hooks for backends ---------------------------------------------------
     def _on_connected(self, link: PeerLink, hello: dict, payload: bytes) -> None:
@@ -272,6 +356,9 @@ class ControlReceiver(KVReceiver):
             "transfers_done": self._table.num_done,
             "transfers_failed": self._table.num_failed,
             "registered_regions": 0,
+            "cuda_ipc_pulls": self._ipc_pulls,
+            "cuda_ipc_mapped": sum(1 for link in links if link.mapped is not None),
+            "shm_mapped": sum(len(link.peer_buffers) for link in links),
             **(self.staging.stats() if self.staging is not None else {}),
             **self._backend_stats(),
         }
@@ -295,6 +382,9 @@ class ControlReceiver(KVReceiver):
     def _mode_for(self, peer_info: dict[str, Any]) -> str:
         """First of our modes the peer serves (tcp stages device memory on either side)."""
         offered = peer_info.get("modes") or [peer_info.get("backend")]
+        if ("cuda_ipc" in offered and self._ipc is not None and peer_info.get("ipc_host") == host_identity()
+                and str(peer_info.get("instance_id")) not in self._ipc_refused):
+            return "cuda_ipc"
         for mode in self.modes:
             if mode in offered:
                 return mode

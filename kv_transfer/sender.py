@@ -25,6 +25,7 @@ accept loop outlives any error serving one connection.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -34,6 +35,7 @@ from typing import Any
 
 from .base import KVSender
 from .config import KVTransferConfig
+from .cuda_ipc import export_region, host_identity
 from .layout import PROTOCOL_VERSION, KVLayout
 from .memory import KVRegion
 from .staging import make_staging
@@ -58,7 +60,12 @@ class ControlSender(KVSender):
         self.layout = layout
         self.region = KVRegion.from_buffer(kv_cache, layout)
         #: Host buffers the tcp data path stages device memory through (None: host pool).
-        self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes)
+        self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes,
+                                    shared=config.staging_shm)
+        #: hello_ok fields that let a receiver of this host map the pool (``cuda_ipc`` mode).
+        self._ipc_export = self._export_ipc()
+        if self._ipc_export is not None:
+            self.modes = ("cuda_ipc", *type(self).modes)
         self.instance_id = uuid.uuid4().hex
         self._table = TransferTable(f"send-{self.instance_id[:6]}")
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -87,6 +94,15 @@ class ControlSender(KVSender):
     def _close_backend(self) -> None:
         """Release backend resources (deregister memory)."""
 
+    def _export_ipc(self) -> dict | None:
+        if not (self.region.is_cuda and self.config.cuda_ipc):
+            return None
+        try:
+            return export_region(self.region)
+        except Exception as e:  # e.g. no libcuda, or memory CUDA IPC cannot share
+            logger.info("CUDA IPC unavailable for this pool (%s); peers use the backend's own path", e)
+            return None
+
     # -- public API -----------------------------------------------------------
     def peer_info(self) -> dict[str, Any]:
         return {
@@ -97,6 +113,7 @@ class ControlSender(KVSender):
             "instance_id": self.instance_id,
             "protocol_version": PROTOCOL_VERSION,
             "compat_hash": self.layout.compat_hash(),
+            **({"ipc_host": self._ipc_export["ipc_host"]} if self._ipc_export else {}),
         }
 
     def expect(self, transfer_id: str, block_ids: Sequence[int],
@@ -209,7 +226,12 @@ class ControlSender(KVSender):
                 send_msg(sock, {"type": "refuse", "reason": problem})
                 return
             mode = hello["backend"]
-            extra, payload = self._hello_extra(mode)
+            extra, payload = (self._ipc_export, b"") if mode == "cuda_ipc" else self._hello_extra(mode)
+            # Staged blocks may skip the socket: this host's receivers map our staging buffers.
+            shm = (mode == "tcp" and self.staging is not None and self.staging.shared
+                   and hello.get("shm_host") == host_identity())
+            if shm:
+                extra = {**extra, "shm_pid": os.getpid()}
             send_msg(sock, {"type": "hello_ok", "instance_id": self.instance_id,
                             "num_blocks": self.region.num_blocks,
                             "block_nbytes": self.region.block_nbytes, **extra}, payload)
@@ -218,7 +240,8 @@ class ControlSender(KVSender):
                 msg, _ = recv_msg(sock, self._max_header)
                 kind, tid = msg.get("type"), str(msg.get("tid"))
                 if kind == "read":
-                    self._handle_read(sock, tid, msg.get("blocks", []), granted, mode)
+                    self._handle_read(sock, tid, msg.get("blocks", []), granted, mode,
+                                      shm and msg.get("shm") is True)
                 elif kind == "done":
                     t = granted.pop(tid, None)
                     ok = t is not None and t.succeed(t.granted_nbytes)
@@ -247,7 +270,7 @@ class ControlSender(KVSender):
                 self._conns.pop(sock, None)
 
     def _handle_read(self, sock: socket.socket, tid: str, blocks: list,
-                     granted: dict[str, Transfer], mode: str) -> None:
+                     granted: dict[str, Transfer], mode: str, shm: bool = False) -> None:
         t = self._table.get(tid)
         reason = None
         if t is None:
@@ -271,7 +294,9 @@ class ControlSender(KVSender):
         ids = [int(b) for b in blocks]
         send_msg(sock, {"type": "grant", "tid": tid, "nbytes": len(ids) * self.region.block_nbytes})
         if mode == "tcp":
-            serve_blocks(sock, self.region, t, ids, self.staging)
+            serve_blocks(sock, self.region, t, ids, self.staging, shm)
+        elif mode == "cuda_ipc":  # the receiver copies out of its mapping, then says done
+            t.granted_nbytes = len(ids) * self.region.block_nbytes
         else:
             self._serve_grant(sock, t, ids)
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .memory import KVRegion
+from .shm_buffer import SharedBuffer
 
 #: Buffers per transfer in progress: batch k+1 is copied while batch k is on the socket.
 NUM_BUFFERS = 2
@@ -71,6 +72,8 @@ def split_batches(block_ids: Sequence[int], batch_blocks: int, block_nbytes: int
 class HostCopier:
     """Host memory: copies are synchronous memmoves; buffers are plain (unpinned) memory."""
 
+    pin = False
+
     def __init__(self, region: KVRegion) -> None:
         self.base = region.addr
         self.block_nbytes = region.block_nbytes
@@ -78,6 +81,10 @@ class HostCopier:
     def alloc(self, nbytes: int) -> Any:
         """A staging buffer of ``nbytes``."""
         return np.empty(nbytes, dtype=np.uint8)
+
+    def native(self, mapping: Any) -> Any:
+        """The buffer type copies take, over a shared mapping (:mod:`shm_buffer`)."""
+        return mapping.array
 
     def view(self, buf: Any) -> memoryview:
         """Writable byte view of a staging buffer (what the socket reads/writes)."""
@@ -114,8 +121,13 @@ class CudaCopier:
         self.block_nbytes = region.block_nbytes
         self.stream = torch.cuda.Stream(device=self.device)
 
+    pin = True
+
     def alloc(self, nbytes: int) -> Any:
         return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+
+    def native(self, mapping: Any) -> Any:
+        return mapping.tensor()
 
     def view(self, buf: Any) -> memoryview:
         return memoryview(buf.numpy())
@@ -157,15 +169,37 @@ COPIERS: dict[str, type] = {"cpu": HostCopier, "cuda": CudaCopier}
 
 class Stager:
     """A copier and :data:`NUM_BUFFERS` buffers of ``batch_blocks`` blocks each,
-    with the completion handle of the copy last issued on each buffer."""
+    with the completion handle of the copy last issued on each buffer. With
+    ``shared`` the buffers are memfd mappings a receiver on this host can map
+    (:class:`~kv_transfer.shm_buffer.SharedBuffer`)."""
 
-    def __init__(self, region: KVRegion, batch_blocks: int) -> None:
+    def __init__(self, region: KVRegion, batch_blocks: int, shared: bool = False) -> None:
         self.batch_blocks = batch_blocks
         self.block_nbytes = region.block_nbytes
         self.copier = COPIERS[region.device](region)
-        self.buffers = [self.copier.alloc(batch_blocks * region.block_nbytes) for _ in range(NUM_BUFFERS)]
+        nbytes = batch_blocks * region.block_nbytes
+        self.shared: list[SharedBuffer] = []
+        try:
+            for _ in range(NUM_BUFFERS if shared else 0):
+                self.shared.append(SharedBuffer(nbytes, pin=self.copier.pin))
+        except BaseException:
+            self.close()
+            raise
+        self.buffers = ([self.copier.native(b) for b in self.shared] if shared
+                        else [self.copier.alloc(nbytes) for _ in range(NUM_BUFFERS)])
         self.views = [self.copier.view(b) for b in self.buffers]
         self._pending: list[Any] = [None] * NUM_BUFFERS
+
+    def describe(self) -> list[dict]:
+        """How a receiver on this host maps the buffers (shared stagers only)."""
+        return [b.describe() for b in self.shared]
+
+    def close(self) -> None:
+        """Free shared buffers (plain ones go with the object)."""
+        self.buffers = self.views = []
+        for b in self.shared:
+            b.close()
+        self.shared = []
 
     def batches(self, block_ids: Sequence[int]) -> list[Batch]:
         """The transfer's block ids in buffer-sized batches."""
@@ -197,8 +231,11 @@ class Stager:
 class StagingPool:
     """The stagers of one side: created on first use, reused, one per transfer in progress."""
 
-    def __init__(self, region: KVRegion, chunk_bytes: int) -> None:
+    def __init__(self, region: KVRegion, chunk_bytes: int, shared: bool = False) -> None:
         self.region = region
+        self.shared = shared
+        #: Mappings of a peer's shared buffers must be page-locked too (CUDA pools).
+        self.copier_pins = COPIERS[region.device].pin
         self.batch_blocks = max(1, chunk_bytes // region.block_nbytes)
         self._free: list[Stager] = []
         self._lock = threading.Lock()
@@ -216,7 +253,7 @@ class StagingPool:
                 return self._free.pop()
             self._num_sets += 1
         try:
-            return Stager(self.region, self.batch_blocks)
+            return Stager(self.region, self.batch_blocks, self.shared)
         except BaseException:
             with self._lock:
                 self._in_use -= 1
@@ -231,6 +268,8 @@ class StagingPool:
                 self._num_sets -= 1
             else:
                 self._free.append(stager)
+                return
+        stager.close()
 
     def stats(self) -> dict[str, int]:
         """``staging_sets`` (allocated buffer sets) and ``staging_in_use`` (held by transfers)."""
@@ -242,7 +281,9 @@ class StagingPool:
         with self._lock:
             self._closed = True
             self._num_sets -= len(self._free)
-            self._free.clear()
+            idle, self._free = self._free, []
+        for stager in idle:
+            stager.close()
 
 
 def needs_staging(region: KVRegion, staging: str) -> bool:
@@ -250,6 +291,7 @@ def needs_staging(region: KVRegion, staging: str) -> bool:
     return staging == "always" or not region.is_host
 
 
-def make_staging(region: KVRegion, staging: str, chunk_bytes: int) -> StagingPool | None:
-    """The side's staging pool, or None when its blocks go to the socket directly."""
-    return StagingPool(region, chunk_bytes) if needs_staging(region, staging) else None
+def make_staging(region: KVRegion, staging: str, chunk_bytes: int, shared: bool = False) -> StagingPool | None:
+    """The side's staging pool (``shared``: buffers a receiver on this host can map), or
+    None when its blocks go to the socket directly."""
+    return StagingPool(region, chunk_bytes, shared) if needs_staging(region, staging) else None

@@ -11,7 +11,17 @@ destination blocks, no Python-level copy. Device (CUDA) memory goes through a
     receiver: recv batch 0 -> [copy batch k to the device | recv batch k+1] -> ...
 
 The bytes on the wire are the same either way, so a staged side and a direct
-side talk to each other. Both sides bracket the I/O with ``begin_io``/``end_io``
+side talk to each other.
+
+Between two staged sides on one host (the receiver asked with ``"shm": true``
+in its ``read``, see :mod:`shm_buffer`), the blocks skip the socket: the
+sender's buffers are shared memory the receiver maps, and only small frames
+cross the connection:
+
+    sender:   {"type": "shm", buffers} then per batch k: copy into buffer k % 2,
+              {"type": "batch", k} (buffer k % 2 is reused once batch k-2 is acked)
+    receiver: per batch: copy buffer k % 2 to its blocks, {"type": "ack", k}
+ Both sides bracket the I/O with ``begin_io``/``end_io``
 and install a socket shutdown as the transfer's interrupt, so abort and
 deadline stop it at once; a staged side waits for its copies in flight before
 ``end_io`` (terminal still means the blocks are no longer touched).
@@ -20,11 +30,13 @@ deadline stop it at once; a staged side waits for its copies in flight before
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
+from typing import Any
 
 from .memory import KVRegion
 from .staging import NUM_BUFFERS, Stager, StagingPool
 from .transfer import Transfer
-from .wire import recv_into_views, send_views
+from .wire import recv_into_views, recv_msg, send_msg, send_views
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -35,9 +47,9 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: list[int],
-                 staging: StagingPool | None = None) -> None:
-    """Sender: stream ``block_ids`` of ``region`` (staged when ``staging`` is given);
-    counts the bytes on ``t``."""
+                 staging: StagingPool | None = None, shm: bool = False) -> None:
+    """Sender: stream ``block_ids`` of ``region`` (staged when ``staging`` is given; through
+    shared buffers when ``shm`` too); counts the bytes on ``t``."""
     stager = staging.acquire() if staging is not None and block_ids else None
     t.set_interrupt(lambda _t: _shutdown(sock))
     if not t.begin_io():
@@ -51,7 +63,8 @@ def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: 
                                         should_stop=lambda: t.stop_requested)
         else:
             try:
-                t.bytes_moved += _send_staged(sock, stager, block_ids, lambda: t.stop_requested)
+                send = _send_shm if shm and stager.shared else _send_staged
+                t.bytes_moved += send(sock, stager, block_ids, lambda: t.stop_requested)
             finally:
                 stager.settle()
                 staging.release(stager)
@@ -61,9 +74,10 @@ def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: 
 
 
 def pull_blocks(sock: socket.socket, region: KVRegion, t: Transfer, grant: dict,
-                staging: StagingPool | None = None) -> int:
+                staging: StagingPool | None = None, map_peer: Callable[[dict], Any] | None = None) -> int:
     """Receiver: fill ``t``'s local blocks from the stream (caller holds ``begin_io``);
-    staged when ``staging`` is given. Returns the bytes read."""
+    staged when ``staging`` is given; from the sender's shared buffers (mapped with
+    ``map_peer``) when given. Returns the bytes read."""
     expected = len(t.block_ids) * region.block_nbytes
     if int(grant.get("nbytes", -1)) != expected:
         raise ConnectionError(f"grant announces {grant.get('nbytes')} bytes, expected {expected}")
@@ -71,6 +85,8 @@ def pull_blocks(sock: socket.socket, region: KVRegion, t: Transfer, grant: dict,
         return recv_into_views(sock, region.block_views(t.block_ids), should_stop=lambda: t.stop_requested)
     stager = staging.acquire()
     try:
+        if map_peer is not None:
+            return _recv_shm(sock, stager, list(t.block_ids), map_peer)
         return _recv_staged(sock, stager, list(t.block_ids), lambda: t.stop_requested)
     finally:
         stager.settle()
@@ -102,4 +118,52 @@ def _recv_staged(sock: socket.socket, stager: Stager, block_ids: list[int], shou
         total += recv_into_views(sock, [stager.views[i][:batch.nbytes]], should_stop=should_stop)
         stager.to_device(i, batch)
     stager.settle()  # the blocks are in place before the transfer can turn DONE
+    return total
+
+
+def _send_shm(sock: socket.socket, stager: Stager, block_ids: list[int], should_stop) -> int:
+    """Pool -> shared buffer k % 2, announce batch k; the copy of batch k+1 runs while
+    the receiver copies batch k out."""
+    batches = stager.batches(block_ids)
+    stager.start()
+    send_msg(sock, {"type": "shm", "buffers": stager.describe()})
+    stager.to_host(0, batches[0])
+    acked = 0  # batches the receiver has copied out (acks come in order)
+    for k, batch in enumerate(batches):
+        nxt = k + 1
+        if nxt < len(batches):
+            while acked < nxt - NUM_BUFFERS + 1:  # that buffer's previous batch is out
+                acked = _recv_ack(sock, acked)
+            stager.to_host(nxt % NUM_BUFFERS, batches[nxt])
+        stager.wait(k % NUM_BUFFERS)
+        if should_stop():
+            raise InterruptedError("stopped")
+        send_msg(sock, {"type": "batch", "k": k, "nbytes": batch.nbytes})
+    while acked < len(batches):
+        acked = _recv_ack(sock, acked)
+    return sum(b.nbytes for b in batches)
+
+
+def _recv_ack(sock: socket.socket, acked: int) -> int:
+    msg, _ = recv_msg(sock)
+    if msg.get("type") != "ack" or msg.get("k") != acked:
+        raise ConnectionError(f"expected ack of batch {acked}, got {msg}")
+    return acked + 1
+
+
+def _recv_shm(sock: socket.socket, stager: Stager, block_ids: list[int], map_peer) -> int:
+    """Shared buffer k % 2 -> pool for each announced batch, then ack it."""
+    msg, _ = recv_msg(sock)
+    if msg.get("type") != "shm" or not isinstance(msg.get("buffers"), list) or len(msg["buffers"]) != NUM_BUFFERS:
+        raise ConnectionError(f"expected the sender's shared buffers, got {msg.get('type')!r}")
+    buffers = [stager.copier.native(map_peer(desc)) for desc in msg["buffers"]]
+    stager.start()
+    total = 0
+    for k, batch in enumerate(stager.batches(block_ids)):
+        msg, _ = recv_msg(sock)
+        if msg.get("type") != "batch" or msg.get("k") != k or msg.get("nbytes") != batch.nbytes:
+            raise ConnectionError(f"expected batch {k} of {batch.nbytes} bytes, got {msg}")
+        stager.copier.wait(stager.copier.to_device(buffers[k % NUM_BUFFERS], batch))
+        send_msg(sock, {"type": "ack", "k": k})
+        total += batch.nbytes
     return total

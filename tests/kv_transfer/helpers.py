@@ -14,8 +14,15 @@ from .peers import SMOLLM2, run_peer
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 #: "tcp-staged" is the TCP data path through host staging buffers (what a CUDA pool uses),
 #: run on CPU pools with ``staging="always"``: same pipeline, host copies instead of CUDA ones.
-BACKENDS = ["tcp", "tcp-staged",
+#: Two processes of one host share the staging buffers (blocks skip the socket);
+#: "tcp-staged-socket" turns that off, so the blocks cross the socket as between hosts.
+BACKENDS = ["tcp", "tcp-staged", "tcp-staged-socket",
             pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed"))]
+
+
+def label(backend: str) -> str:
+    """The ``backend_name`` a side built from a test backend name reports."""
+    return "tcp-staged" if backend.startswith("tcp-staged") else backend
 
 
 class Peer:
@@ -78,7 +85,7 @@ def assert_no_leak(stats: dict, closed: bool = False) -> None:
     assert stats.get("staging_in_use", 0) == 0, stats
     if closed:
         for key in ("registered_regions", "prepped_dlists", "remote_agents", "connections", "links",
-                    "staging_sets"):
+                    "cuda_ipc_mapped", "shm_mapped", "staging_sets"):
             assert stats.get(key, 0) == 0, (key, stats)
         assert stats.get("extra_threads", 0) <= 0, stats
 

@@ -20,8 +20,16 @@ SMOLLM2 = dict(model_id="HuggingFaceTB/SmolLM2-135M-Instruct", block_size=16,
 
 
 def config_for(backend: str, **overrides):
-    """KVTransferConfig of a test backend name ("tcp-staged": tcp with staging="always")."""
+    """KVTransferConfig of a test backend name ("tcp-staged": tcp with staging="always", sharing
+    its staging buffers with a same-host peer; "tcp-staged-socket": the same through the socket;
+    "cuda-ipc": a tcp side with the same-host CUDA IPC mode on). Every other name has CUDA IPC
+    off, so a test of a backend on CUDA pools measures that backend's own path."""
     from kv_transfer import KVTransferConfig
+    if backend == "cuda-ipc":
+        return KVTransferConfig(backend="tcp", **{"cuda_ipc": True, **overrides})
+    overrides = {"cuda_ipc": False, **overrides}
+    if backend == "tcp-staged-socket":
+        return KVTransferConfig(backend="tcp", staging="always", **{"staging_shm": False, **overrides})
     if backend == "tcp-staged":
         return KVTransferConfig(backend="tcp", staging="always", **overrides)
     return KVTransferConfig(backend=backend, **overrides)
@@ -79,6 +87,23 @@ def _install_fault(fault: str, stalled, unstall) -> None:
             stall(should_stop)
             return n + orig(sock, flat[half:], should_stop)
         tp.send_views = send_views
+        orig_msg = tp.send_msg
+
+        def shut(sock) -> bool:  # the transfer's interrupt shut the socket down (abort, deadline)
+            import select
+            import socket
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            try:
+                return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except OSError:
+                return True
+
+        def send_msg(sock, header, payload=b""):  # shared buffers: stall before the first batch
+            if header.get("type") == "batch" and header.get("k") == 0:
+                stall(lambda: shut(sock))
+            return orig_msg(sock, header, payload)
+        tp.send_msg = send_msg
     elif fault == "stall_after_grant":  # grant served, then the connection thread hangs
         from kv_transfer.sender import ControlSender
         orig_grant = ControlSender._handle_read

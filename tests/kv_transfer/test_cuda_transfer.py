@@ -2,8 +2,10 @@
 
 Pools have the Llama-1B KV shape (16 layers, 8 KV heads, head dim 64, block 16,
 bfloat16: 512 KiB a block). The sender lives in a spawned child, the receiver
-here. Backends: ``tcp`` (on a CUDA pool: the pinned-host staging fallback,
-``tcp-staged``) and, when nixl imports, ``nixl`` (VRAM registration; UCX moves
+here. Backends: ``cuda-ipc`` (the receiver maps the sender's pool with CUDA IPC and
+pulls with one copy kernel), ``tcp`` (on a CUDA pool: the pinned-host staging fallback,
+``tcp-staged``, sharing its pinned buffers with the receiver on one host; ``tcp-staged-socket``
+through the socket as between hosts) and, when nixl imports, ``nixl`` (VRAM registration; UCX moves
 VRAM between the processes with ``cuda_ipc``). Every pull is compared bit for
 bit on the GPU with the sender's pool, rebuilt here from its seed.
 
@@ -30,8 +32,9 @@ LLAMA_1B = dict(model_id="llama-1b-shape", block_size=16, num_layers=16, num_kv_
 POOL = 1536
 SIZES = [1, 16, 128, 1024]
 DONE, FAILED = int(TransferState.DONE), int(TransferState.FAILED)
-CUDA_BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed"))]
-LABEL = {"tcp": "tcp-staged", "nixl": "nixl"}
+CUDA_BACKENDS = ["cuda-ipc", "tcp", "tcp-staged-socket",
+                 pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed"))]
+LABEL = {"tcp": "tcp-staged", "nixl": "nixl", "cuda-ipc": "tcp-staged", "tcp-staged-socket": "tcp-staged"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,9 +85,13 @@ def test_cuda_pulls_bit_exact(backend, peers, thread_guard):
         untouched = sorted(set(range(POOL)) - set(local))
         assert torch.equal(_bits(pool, untouched), _bits(before, untouched)), f"{tid}: a block outside the read changed"
         assert t.bytes_moved == len(remote) * layout.block_nbytes
-        print(f"{LABEL[backend]} {tid}: {len(remote)} blocks in {elapsed * 1e3:.2f} ms, "
+        print(f"{backend} {tid}: {len(remote)} blocks in {elapsed * 1e3:.2f} ms, "
               f"{t.bytes_moved / elapsed / 1e9:.2f} GB/s")
         del before
+    # Each backend row moves its blocks on its own path: CUDA IPC only when asked for.
+    assert (recv.stats()["cuda_ipc_pulls"] == len(cases)) == (backend == "cuda-ipc"), recv.stats()
+    # Staged blocks skip the socket on one host (the sender's two pinned buffers mapped here).
+    assert recv.stats()["shm_mapped"] == (2 if backend == "tcp" else 0), recv.stats()
     assert_no_leak(recv.stats())
     assert_no_leak(sender.call("stats"))
     _close_and_check(recv)

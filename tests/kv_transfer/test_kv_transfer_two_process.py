@@ -18,7 +18,7 @@ import pytest
 
 from kv_transfer import KVLayout, TransferState, make_receiver, make_sender
 
-from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
+from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak, label
 from .peers import SMOLLM2, block_digest, config_for, make_pool
 
 DONE, FAILED, TRANSFERRING = int(TransferState.DONE), int(TransferState.FAILED), int(TransferState.TRANSFERRING)
@@ -50,7 +50,7 @@ def _wait_state(t, state, timeout=10.0):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_blocks_arrive_bit_exact(backend, peers, thread_guard):
     sender = peers("sender", backend, num_blocks=64, seed=1)
-    assert sender.backend == backend
+    assert sender.backend == label(backend)
     layout = KVLayout(**sender.layout)
     remote_src = make_pool(layout, 64, 1)
     pool, recv = _local(backend, layout)
@@ -82,14 +82,17 @@ def test_blocks_arrive_bit_exact(backend, peers, thread_guard):
 
 @pytest.mark.parametrize("batch_blocks", [1, 3, 1000])
 @pytest.mark.parametrize("sender_backend,receiver_backend",
-                         [("tcp-staged", "tcp-staged"), ("tcp-staged", "tcp"), ("tcp", "tcp-staged")])
+                         [("tcp-staged", "tcp-staged"), ("tcp-staged", "tcp"), ("tcp", "tcp-staged"),
+                          ("tcp-staged-socket", "tcp-staged"), ("tcp-staged", "tcp-staged-socket")])
 def test_staging_pipeline_bit_exact(sender_backend, receiver_backend, batch_blocks, peers, thread_guard):
     """The staging pipeline (device->buffer->socket, socket->buffer->device; here the
-    "device" is host memory) at any batch size, and wire-compatible with a direct peer."""
+    "device" is host memory) at any batch size, and wire-compatible with a direct peer.
+    Two staged sides of this host share the sender's buffers (the blocks skip the socket);
+    when either side has that off, the blocks cross the socket."""
     layout = KVLayout(**{**SMOLLM2, "dtype": "bfloat16"})
     chunk = {"staging_chunk_bytes": batch_blocks * layout.block_nbytes + 100}  # rounds down
     sender = peers("sender", sender_backend, num_blocks=48, seed=1, dtype="bfloat16", config=chunk)
-    assert sender.backend == sender_backend
+    assert sender.backend == label(sender_backend)
     pool = make_pool(layout, 48, 2)
     recv = make_receiver(pool, layout, config_for(receiver_backend, **chunk))
     src = make_pool(layout, 48, 1)
@@ -106,8 +109,11 @@ def test_staging_pipeline_bit_exact(sender_backend, receiver_backend, batch_bloc
         after = block_digest(pool, layout.block_nbytes, range(48))
         assert [after[b] for b in local] == block_digest(src, layout.block_nbytes, remote), tid
         assert all(after[b] == before[b] for b in set(range(48)) - set(local)), tid
-    if receiver_backend == "tcp-staged":
+    if receiver_backend.startswith("tcp-staged"):
         assert recv.stats()["staging_sets"] == 1  # one buffer set, reused by every transfer
+    # The sender's buffers mapped here only when both sides share them (two, reused throughout).
+    shared = sender_backend == receiver_backend == "tcp-staged"
+    assert recv.stats().get("shm_mapped", 0) == (2 if shared else 0), recv.stats()
     assert_no_leak(recv.stats())
     assert_no_leak(sender.call("stats"))
     _close_and_check(recv)
@@ -178,7 +184,8 @@ def test_incompatible_peer_refused(backend, peers, thread_guard):
     sender.close_and_check()
 
 
-STALL = {"tcp": "stall_tcp_send", "tcp-staged": "stall_tcp_send", "nixl": "stall_after_grant"}
+STALL = {"tcp": "stall_tcp_send", "tcp-staged": "stall_tcp_send", "tcp-staged-socket": "stall_tcp_send",
+         "nixl": "stall_after_grant"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

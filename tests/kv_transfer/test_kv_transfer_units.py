@@ -263,9 +263,11 @@ def test_cpu_and_cuda_pools_refuse_each_other(fake_cuda, thread_guard):
     assert dst.tobytes() == before
 
 
-def test_cuda_copier_code_on_cpu_tensors(fake_cuda, monkeypatch, thread_guard):
+@pytest.mark.parametrize("shm", [False, True])
+def test_cuda_copier_code_on_cpu_tensors(shm, fake_cuda, monkeypatch, thread_guard):
     """CudaCopier's own code (byte views of the pool, per-run slices, copy directions,
-    stream ordering, events) run on CPU tensors, with the CUDA stream API shimmed."""
+    stream ordering, events) run on CPU tensors, with the CUDA stream API shimmed; through
+    the socket and through shared staging buffers (pinning shimmed off)."""
     torch = pytest.importorskip("torch")
     import contextlib
 
@@ -291,17 +293,19 @@ def test_cuda_copier_code_on_cpu_tensors(fake_cuda, monkeypatch, thread_guard):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: "default")
     monkeypatch.setattr(staging.CudaCopier, "alloc", lambda self, n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(staging.CudaCopier, "pin", False)
     monkeypatch.setitem(staging.COPIERS, "cuda", staging.CudaCopier)
     layout = KVLayout(**{**LAYOUT.to_dict(), "dtype": "bfloat16", "device": "cuda"})
     src, dst = make_pool(layout, 12, 1, "torch"), make_pool(layout, 12, 2, "torch")
     fake_cuda.update({id(src), id(dst)})
-    cfg = KVTransferConfig(backend="tcp", staging_chunk_bytes=3 * layout.block_nbytes)
+    cfg = KVTransferConfig(backend="tcp", staging_chunk_bytes=3 * layout.block_nbytes, staging_shm=shm)
     remote, local = [11, 0, 1, 2, 6, 7, 3], [4, 5, 6, 0, 1, 9, 10]
     with make_sender(src, layout, cfg) as s, make_receiver(dst, layout, cfg) as r:
         assert s.backend_name == r.backend_name == "tcp-staged"
         s.expect("g", remote)
         t = r.read(s.peer_info(), "g", remote, local, timeout_s=30)
         assert t.wait(30) == TransferState.DONE, t.error
+        assert r.stats()["shm_mapped"] == (2 if shm else 0)
     assert torch.equal(dst[local].view(torch.int16), src[remote].view(torch.int16))
     assert ("wait_stream", "default") in calls  # copies ordered after the engine's queued work
     # 7 blocks in batches of 3 -> 3 batches per side, one event each, all waited for
