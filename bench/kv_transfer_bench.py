@@ -364,7 +364,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--sizes", default=None, help="block counts (default cpu: 1,16,256,4096; cuda: 1,16,128,1024)")
     ap.add_argument("--socket-buffer-mb", type=float, default=0, help="SO_SNDBUF/SO_RCVBUF (0: kernel autotuning)")
-    ap.add_argument("--staging-chunk-mb", type=float, default=8, help="bytes per staging buffer")
+    ap.add_argument("--staging-chunk-mb", type=float, default=32, help="MiB per staging buffer")
     ap.add_argument("--json", default=None, help="default bench/results/kv_transfer[_cuda].json")
     args = ap.parse_args()
     cuda = args.device == "cuda"

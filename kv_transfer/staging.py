@@ -34,6 +34,12 @@ from .shm_buffer import SharedBuffer
 
 #: Buffers per transfer in progress: batch k+1 is copied while batch k is on the socket.
 NUM_BUFFERS = 2
+#: Batches of at least this many runs of consecutive blocks are gathered on the device (one
+#: kernel + one copy) instead of copied run by run (one call each).
+GATHER_MIN_RUNS = 4
+#: Shared buffers per transfer (receiver on this host): the sender copies up to three batches
+#: ahead while the receiver copies out and acknowledges, so per-batch handoffs overlap copies.
+NUM_SHARED_BUFFERS = 4
 
 
 class Batch:
@@ -120,6 +126,7 @@ class CudaCopier:
         self.flat = pool.reshape(-1).view(torch.uint8)  # bytes of the pool, no copy
         self.block_nbytes = region.block_nbytes
         self.stream = torch.cuda.Stream(device=self.device)
+        self._rows = self._scratch = self._slots = None  # the gather path's, made on first use
 
     pin = True
 
@@ -139,18 +146,62 @@ class CudaCopier:
         self.stream.wait_stream(self.torch.cuda.default_stream(self.device))
 
     def _copy(self, buf: Any, batch: Batch, to_host: bool) -> Any:
-        torch, bs = self.torch, self.block_nbytes
+        torch = self.torch
         with torch.cuda.stream(self.stream):
-            for block, count, offset in batch.runs:
-                dev = self.flat[block * bs:(block + count) * bs]
-                host = buf[offset:offset + count * bs]
-                if to_host:
-                    host.copy_(dev, non_blocking=True)
-                else:
-                    dev.copy_(host, non_blocking=True)
+            if len(batch.runs) >= GATHER_MIN_RUNS and self._gather_ready():
+                self._copy_gathered(buf, batch, to_host)
+            else:
+                self._copy_runs(buf, batch, to_host)
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
+
+    def _copy_runs(self, buf: Any, batch: Batch, to_host: bool) -> None:
+        """One async copy per run of consecutive blocks."""
+        bs = self.block_nbytes
+        for block, count, offset in batch.runs:
+            dev = self.flat[block * bs:(block + count) * bs]
+            host = buf[offset:offset + count * bs]
+            if to_host:
+                host.copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(host, non_blocking=True)
+
+    def _gather_ready(self) -> bool:
+        if self._rows is None:
+            try:
+                from .block_copy import as_block_rows, triton
+                if triton is None:
+                    return False
+                self._rows = as_block_rows(self.flat, self.block_nbytes)
+            except Exception:  # noqa: BLE001 - no Triton here: per-run copies
+                return False
+        return True
+
+    def _copy_gathered(self, buf: Any, batch: Batch, to_host: bool) -> None:
+        """Scattered blocks: one kernel gathers them into a device scratch buffer and one copy
+        moves it (or the reverse), instead of one copy call per run. The scratch buffer is
+        reused by every batch: the side stream orders its uses."""
+        from .block_copy import as_block_rows, copy_blocks
+        torch, bs = self.torch, self.block_nbytes
+        nbytes = batch.nbytes
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._slots = torch.arange(nbytes // bs, dtype=torch.int32, device=self.device)
+        scratch = self._scratch[:nbytes]
+        rows = as_block_rows(scratch, bs)
+        ids = [b for block, count, _ in batch.runs for b in range(block, block + count)]
+        n = len(ids)
+        width = -(-n // 4) * 4  # 16-byte aligned ids: one compiled kernel for every count
+        padded = torch.zeros(width, dtype=torch.int32)
+        padded[:n] = torch.tensor(ids, dtype=torch.int32)
+        dev_ids = padded.to(self.device, non_blocking=True)[:n]
+        if to_host:
+            copy_blocks(rows, self._rows, self._slots[:n], dev_ids)
+            buf[:nbytes].copy_(scratch, non_blocking=True)
+        else:
+            scratch.copy_(buf[:nbytes], non_blocking=True)
+            copy_blocks(self._rows, rows, dev_ids, self._slots[:n])
 
     def to_host(self, buf: Any, batch: Batch) -> Any:
         return self._copy(buf, batch, to_host=True)
@@ -168,7 +219,8 @@ COPIERS: dict[str, type] = {"cpu": HostCopier, "cuda": CudaCopier}
 
 
 class Stager:
-    """A copier and :data:`NUM_BUFFERS` buffers of ``batch_blocks`` blocks each,
+    """A copier and :data:`NUM_BUFFERS` (shared: :data:`NUM_SHARED_BUFFERS`) buffers of
+    ``batch_blocks`` blocks each,
     with the completion handle of the copy last issued on each buffer. With
     ``shared`` the buffers are memfd mappings a receiver on this host can map
     (:class:`~kv_transfer.shm_buffer.SharedBuffer`)."""
@@ -180,7 +232,7 @@ class Stager:
         nbytes = batch_blocks * region.block_nbytes
         self.shared: list[SharedBuffer] = []
         try:
-            for _ in range(NUM_BUFFERS if shared else 0):
+            for _ in range(NUM_SHARED_BUFFERS if shared else 0):
                 self.shared.append(SharedBuffer(nbytes, pin=self.copier.pin))
         except BaseException:
             self.close()
@@ -188,7 +240,7 @@ class Stager:
         self.buffers = ([self.copier.native(b) for b in self.shared] if shared
                         else [self.copier.alloc(nbytes) for _ in range(NUM_BUFFERS)])
         self.views = [self.copier.view(b) for b in self.buffers]
-        self._pending: list[Any] = [None] * NUM_BUFFERS
+        self._pending: list[Any] = [None] * len(self.buffers)
 
     def describe(self) -> list[dict]:
         """How a receiver on this host maps the buffers (shared stagers only)."""
@@ -224,7 +276,7 @@ class Stager:
 
     def settle(self) -> None:
         """Wait for every copy issued (the pool's blocks are no longer touched)."""
-        for i in range(NUM_BUFFERS):
+        for i in range(len(self._pending)):
             self.wait(i)
 
 

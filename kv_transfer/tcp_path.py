@@ -18,10 +18,13 @@ in its ``read``, see :mod:`shm_buffer`), the blocks skip the socket: the
 sender's buffers are shared memory the receiver maps, and only small frames
 cross the connection:
 
-    sender:   {"type": "shm", buffers} then per batch k: copy into buffer k % 2,
-              {"type": "batch", k} (buffer k % 2 is reused once batch k-2 is acked)
-    receiver: per batch: copy buffer k % 2 to its blocks, {"type": "ack", k}
- Both sides bracket the I/O with ``begin_io``/``end_io``
+    sender:   {"type": "shm", B buffers}; copy batches 0..B-1 in; per batch k:
+              {"type": "batch", k} when batch k is in its buffer, then copy
+              batch k-1+B into buffer (k-1) % B once batch k-1 is acked
+    receiver: per batch k: start copying buffer k % B to its blocks, then
+              {"type": "ack", k-1} once batch k-1's copy finished
+
+Both sides bracket the I/O with ``begin_io``/``end_io``
 and install a socket shutdown as the transfer's interrupt, so abort and
 deadline stop it at once; a staged side waits for its copies in flight before
 ``end_io`` (terminal still means the blocks are no longer touched).
@@ -29,12 +32,13 @@ deadline stop it at once; a staged side waits for its copies in flight before
 
 from __future__ import annotations
 
+import collections
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from .memory import KVRegion
-from .staging import NUM_BUFFERS, Stager, StagingPool
+from .staging import NUM_BUFFERS, Stager, StagingPool, split_batches
 from .transfer import Transfer
 from .wire import recv_into_views, recv_msg, send_msg, send_views
 
@@ -122,23 +126,25 @@ def _recv_staged(sock: socket.socket, stager: Stager, block_ids: list[int], shou
 
 
 def _send_shm(sock: socket.socket, stager: Stager, block_ids: list[int], should_stop) -> int:
-    """Pool -> shared buffer k % 2, announce batch k; the copy of batch k+1 runs while
-    the receiver copies batch k out."""
+    """Pool -> shared buffer k % B, announce batch k. All B buffers are filled up front; the
+    receiver acks batch k-1 once it has batch k, and buffer (k-1) % B is then refilled."""
     batches = stager.batches(block_ids)
+    nbuf = len(stager.buffers)
     stager.start()
-    send_msg(sock, {"type": "shm", "buffers": stager.describe()})
-    stager.to_host(0, batches[0])
+    send_msg(sock, {"type": "shm", "buffers": stager.describe(), "batch_blocks": stager.batch_blocks})
+    for j in range(min(nbuf, len(batches))):
+        stager.to_host(j, batches[j])
     acked = 0  # batches the receiver has copied out (acks come in order)
     for k, batch in enumerate(batches):
-        nxt = k + 1
-        if nxt < len(batches):
-            while acked < nxt - NUM_BUFFERS + 1:  # that buffer's previous batch is out
-                acked = _recv_ack(sock, acked)
-            stager.to_host(nxt % NUM_BUFFERS, batches[nxt])
-        stager.wait(k % NUM_BUFFERS)
+        stager.wait(k % nbuf)
         if should_stop():
             raise InterruptedError("stopped")
         send_msg(sock, {"type": "batch", "k": k, "nbytes": batch.nbytes})
+        refill = k - 1 + nbuf  # goes where batch k-1 was, once that is out
+        if k >= 1 and refill < len(batches):
+            while acked < k:
+                acked = _recv_ack(sock, acked)
+            stager.to_host(refill % nbuf, batches[refill])
     while acked < len(batches):
         acked = _recv_ack(sock, acked)
     return sum(b.nbytes for b in batches)
@@ -152,18 +158,38 @@ def _recv_ack(sock: socket.socket, acked: int) -> int:
 
 
 def _recv_shm(sock: socket.socket, stager: Stager, block_ids: list[int], map_peer) -> int:
-    """Shared buffer k % 2 -> pool for each announced batch, then ack it."""
+    """Shared buffer k % B -> pool for each announced batch; batch k is acknowledged once its
+    copy finished, after the copy of batch k+1 was started (copies and handoffs overlap)."""
     msg, _ = recv_msg(sock)
-    if msg.get("type") != "shm" or not isinstance(msg.get("buffers"), list) or len(msg["buffers"]) != NUM_BUFFERS:
+    descs = msg.get("buffers")
+    if msg.get("type") != "shm" or not isinstance(descs, list) or not 2 <= len(descs) <= 16:
         raise ConnectionError(f"expected the sender's shared buffers, got {msg.get('type')!r}")
-    buffers = [stager.copier.native(map_peer(desc)) for desc in msg["buffers"]]
+    mappings = [map_peer(desc) for desc in descs]
+    batch_blocks = msg.get("batch_blocks")
+    if type(batch_blocks) is not int or not 0 < batch_blocks * stager.block_nbytes <= min(m.nbytes for m in mappings):
+        raise ConnectionError(f"sender batches of {batch_blocks!r} blocks do not fit its buffers")
+    buffers = [stager.copier.native(m) for m in mappings]
     stager.start()
-    total = 0
-    for k, batch in enumerate(stager.batches(block_ids)):
-        msg, _ = recv_msg(sock)
-        if msg.get("type") != "batch" or msg.get("k") != k or msg.get("nbytes") != batch.nbytes:
-            raise ConnectionError(f"expected batch {k} of {batch.nbytes} bytes, got {msg}")
-        stager.copier.wait(stager.copier.to_device(buffers[k % NUM_BUFFERS], batch))
+    copier, in_flight, total = stager.copier, collections.deque(), 0
+
+    def finish_oldest() -> None:
+        k, handle = in_flight.popleft()
+        copier.wait(handle)
         send_msg(sock, {"type": "ack", "k": k})
-        total += batch.nbytes
+
+    try:
+        # The sender's batches (its buffers' size), whatever our own staging chunk is.
+        for k, batch in enumerate(split_batches(block_ids, batch_blocks, stager.block_nbytes)):
+            msg, _ = recv_msg(sock)
+            if msg.get("type") != "batch" or msg.get("k") != k or msg.get("nbytes") != batch.nbytes:
+                raise ConnectionError(f"expected batch {k} of {batch.nbytes} bytes, got {msg}")
+            in_flight.append((k, copier.to_device(buffers[k % len(buffers)], batch)))
+            total += batch.nbytes
+            if len(in_flight) > 1:
+                finish_oldest()
+        while in_flight:
+            finish_oldest()
+    finally:
+        for _, handle in in_flight:  # the blocks are no longer touched once this returns
+            copier.wait(handle)
     return total

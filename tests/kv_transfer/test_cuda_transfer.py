@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
+from kv_transfer.staging import NUM_SHARED_BUFFERS
 
 from .helpers import HAVE_NIXL, assert_no_leak
 from .peers import config_for, make_pool
@@ -90,8 +91,8 @@ def test_cuda_pulls_bit_exact(backend, peers, thread_guard):
         del before
     # Each backend row moves its blocks on its own path: CUDA IPC only when asked for.
     assert (recv.stats()["cuda_ipc_pulls"] == len(cases)) == (backend == "cuda-ipc"), recv.stats()
-    # Staged blocks skip the socket on one host (the sender's two pinned buffers mapped here).
-    assert recv.stats()["shm_mapped"] == (2 if backend == "tcp" else 0), recv.stats()
+    # Staged blocks skip the socket on one host (the sender's pinned buffers mapped here).
+    assert recv.stats()["shm_mapped"] == (NUM_SHARED_BUFFERS if backend == "tcp" else 0), recv.stats()
     assert_no_leak(recv.stats())
     assert_no_leak(sender.call("stats"))
     _close_and_check(recv)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from kv_transfer import KVLayout, TransferState, make_receiver, make_sender
+from kv_transfer.staging import NUM_SHARED_BUFFERS
 
 from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak, label
 from .peers import SMOLLM2, block_digest, config_for, make_pool
@@ -94,7 +95,9 @@ def test_staging_pipeline_bit_exact(sender_backend, receiver_backend, batch_bloc
     sender = peers("sender", sender_backend, num_blocks=48, seed=1, dtype="bfloat16", config=chunk)
     assert sender.backend == label(sender_backend)
     pool = make_pool(layout, 48, 2)
-    recv = make_receiver(pool, layout, config_for(receiver_backend, **chunk))
+    # The receiver's own chunk differs: with shared buffers it follows the sender's batches.
+    recv_chunk = {"staging_chunk_bytes": (batch_blocks % 5 + 2) * layout.block_nbytes}
+    recv = make_receiver(pool, layout, config_for(receiver_backend, **recv_chunk))
     src = make_pool(layout, 48, 1)
     rng = np.random.default_rng(batch_blocks)
     cases = [("run", list(range(5, 17)), list(range(30, 42))), ("one", [47], [0])]
@@ -111,9 +114,9 @@ def test_staging_pipeline_bit_exact(sender_backend, receiver_backend, batch_bloc
         assert all(after[b] == before[b] for b in set(range(48)) - set(local)), tid
     if receiver_backend.startswith("tcp-staged"):
         assert recv.stats()["staging_sets"] == 1  # one buffer set, reused by every transfer
-    # The sender's buffers mapped here only when both sides share them (two, reused throughout).
+    # The sender's buffers mapped here only when both sides share them (reused throughout).
     shared = sender_backend == receiver_backend == "tcp-staged"
-    assert recv.stats().get("shm_mapped", 0) == (2 if shared else 0), recv.stats()
+    assert recv.stats().get("shm_mapped", 0) == (NUM_SHARED_BUFFERS if shared else 0), recv.stats()
     assert_no_leak(recv.stats())
     assert_no_leak(sender.call("stats"))
     _close_and_check(recv)

@@ -4,8 +4,11 @@ test_kv_transfer_two_process.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -21,12 +24,16 @@ from kv_transfer import (
     make_sender,
 )
 from kv_transfer.factory import select_backend
-from kv_transfer.staging import split_batches
+from kv_transfer.staging import NUM_SHARED_BUFFERS, split_batches
 
 from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
 from .peers import SMOLLM2, config_for, make_pool
 
 LAYOUT = KVLayout(dtype="float32", **SMOLLM2)
+if importlib.util.find_spec("torch") is not None:
+    import torch as _torch
+    if not _torch.cuda.is_available():  # the staging gather kernel runs under Triton's interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def test_states_are_ordered():
@@ -263,16 +270,29 @@ def test_cpu_and_cuda_pools_refuse_each_other(fake_cuda, thread_guard):
     assert dst.tobytes() == before
 
 
+@pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("shm", [False, True])
-def test_cuda_copier_code_on_cpu_tensors(shm, fake_cuda, monkeypatch, thread_guard):
-    """CudaCopier's own code (byte views of the pool, per-run slices, copy directions,
-    stream ordering, events) run on CPU tensors, with the CUDA stream API shimmed; through
-    the socket and through shared staging buffers (pinning shimmed off)."""
+def test_cuda_copier_code_on_cpu_tensors(shm, gather, fake_cuda, monkeypatch, thread_guard):
+    """CudaCopier's own code (byte views of the pool, per-run slices or the device gather
+    into a scratch buffer, copy directions, stream ordering, events) run on CPU tensors, with
+    the CUDA stream API shimmed (the gather kernel under Triton's interpreter); through the
+    socket and through shared staging buffers (pinning shimmed off)."""
     torch = pytest.importorskip("torch")
     import contextlib
 
+    import kv_transfer.block_copy as block_copy
     import kv_transfer.staging as staging
     calls = []
+    if gather:
+        pytest.importorskip("triton")
+        monkeypatch.setattr(staging, "GATHER_MIN_RUNS", 1)
+        launch, one_at_a_time = block_copy.copy_blocks, threading.Lock()
+
+        def copy_blocks(*a, **k):  # Triton's interpreter is not thread-safe (a GPU runs both sides)
+            calls.append(("gather",))
+            with one_at_a_time:
+                launch(*a, **k)
+        monkeypatch.setattr(block_copy, "copy_blocks", copy_blocks)
 
     class Stream:
         def __init__(self, device=None):
@@ -305,9 +325,10 @@ def test_cuda_copier_code_on_cpu_tensors(shm, fake_cuda, monkeypatch, thread_gua
         s.expect("g", remote)
         t = r.read(s.peer_info(), "g", remote, local, timeout_s=30)
         assert t.wait(30) == TransferState.DONE, t.error
-        assert r.stats()["shm_mapped"] == (2 if shm else 0)
+        assert r.stats()["shm_mapped"] == (NUM_SHARED_BUFFERS if shm else 0)
     assert torch.equal(dst[local].view(torch.int16), src[remote].view(torch.int16))
     assert ("wait_stream", "default") in calls  # copies ordered after the engine's queued work
     # 7 blocks in batches of 3 -> 3 batches per side, one event each, all waited for
     assert sum(c[0] == "record" for c in calls) == 6
     assert sum(c[0] == "synchronize" for c in calls) == 6
+    assert sum(c[0] == "gather" for c in calls) == (6 if gather else 0)
