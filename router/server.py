@@ -9,7 +9,9 @@ import time
 from pdserve.grpc_common import add_health_and_reflection, new_server, run_until_signalled, set_serving
 from pdserve.protocol import generate_pb2, generate_pb2_grpc
 from router.admission import AdmissionQueue
+from router.auth import ApiKeys
 from router.config import RouterConfig
+from router.front_security import warn_if_exposed
 from router.kv_feeds import KvFeeds
 from router.kv_index import KvIndex
 from router.metrics import RouterMetrics
@@ -41,6 +43,7 @@ class RouterServer:
                                                                             config.routing_weights),
                                        self.admission, config.skip_prefill_tokens, self.routing_metrics)
         self.pipeline = GenerationPipeline(config, self.selector)
+        self.keys = ApiKeys(config.security.api_key_file)
         self._redis = None
         self._feeds: KvFeeds | None = None
         self._registry = None
@@ -58,7 +61,8 @@ class RouterServer:
             config.model, config.max_model_len, config.max_n, config.max_prompt_chars))
         if config.redis_url:
             from pdserve import redis_client
-            self._redis = redis_client.connect(config.redis_url, timeout_s=5)
+            self._redis = redis_client.connect(config.redis_url, timeout_s=5,
+                                               password_file=config.redis_password_file)
         self._feeds = KvFeeds(self.index, self._redis)
         self.pool.on_add.append(self._feeds.start)
         self.pool.on_remove.append(self._feeds.stop)
@@ -71,16 +75,22 @@ class RouterServer:
             await self.pool.wait_healthy(wait_for_workers_s)
         self.runner = RequestRunner(builder, self.pipeline, self.metrics)
         self._server = new_server(max_receive_bytes=config.max_request_bytes)
-        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.runner), self._server)
+        generate_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.runner, self.keys, config.route_metadata), self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
-        port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        warn_if_exposed(config.host, config.security, self.keys)
+        credentials = config.security.grpc_credentials()
+        bind = f"{config.host}:{config.port}"
+        port = (self._server.add_secure_port(bind, credentials) if credentials is not None
+                else self._server.add_insecure_port(bind))
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = f"{config.host}:{port}"
         await self._server.start()
         if config.http_port is not None:
-            self._http = HttpServer(create_app(self.runner, config.model, config.max_request_bytes),
-                                    config.host, config.http_port)
+            self._http = HttpServer(create_app(self.runner, config.model, config.max_request_bytes, self.keys),
+                                    config.host, config.http_port, config.security.tls_cert_file,
+                                    config.security.tls_key_file)
             self.http_port = await self._http.start()
         if config.metrics_port is not None:
             self._metrics_server = self.metrics.serve(config.host, config.metrics_port)
@@ -118,7 +128,9 @@ def run_router(config: RouterConfig) -> int:
     router = RouterServer(config)
 
     def ready_line(address: str) -> str:
-        http = f" (OpenAI API at http://{config.host}:{router.http_port}/v1)" if router.http_port is not None else ""
+        scheme = "https" if config.security.tls else "http"
+        http = (f" (OpenAI API at {scheme}://{config.host}:{router.http_port}/v1)"
+                if router.http_port is not None else "")
         return f"ready: router at {address}{http}"
 
     return run_until_signalled(router, ready_line)

@@ -71,7 +71,8 @@ def start_worker(role: str, *extra: str) -> Proc:
 
 
 def start_router(prefill: list[Proc], decode: list[Proc], *extra: str) -> Proc:
-    return start("router", ["router", "--port", "0", "--health-interval-s", "0.5",
+    """A router over the workers; `--route-metadata` so tests can see where samples went (`generate_routed`)."""
+    return start("router", ["router", "--port", "0", "--health-interval-s", "0.5", "--route-metadata",
                             "--prefill-workers", ",".join(p.address for p in prefill),
                             "--decode-workers", ",".join(d.address for d in decode), *extra])
 
