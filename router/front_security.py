@@ -12,8 +12,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import grpc
-
 from router.auth import ApiKeys
 
 logger = logging.getLogger(__name__)
@@ -25,7 +23,8 @@ class FrontSecurityConfig:
     """File of `TENANT:KEY` lines (router/auth.py); with it (or $PDSERVE_API_KEYS) every Generate,
     Abort and /v1 call needs `authorization: Bearer KEY`. Re-read when it changes."""
     tls_cert_file: str | None = None
-    """PEM certificate chain of the gRPC and HTTP fronts (with tls_key_file): both then speak TLS only."""
+    """PEM certificate chain of the gRPC and HTTP fronts (with tls_key_file): both then speak TLS only.
+    Re-read when the files change (router/tls_reload.py)."""
     tls_key_file: str | None = None
     """PEM private key of tls_cert_file."""
 
@@ -41,13 +40,6 @@ class FrontSecurityConfig:
     @property
     def tls(self) -> bool:
         return self.tls_cert_file is not None
-
-    def grpc_credentials(self) -> grpc.ServerCredentials | None:
-        """Server credentials for the gRPC front; None without TLS."""
-        if not self.tls:
-            return None
-        with open(self.tls_key_file, "rb") as key, open(self.tls_cert_file, "rb") as cert:
-            return grpc.ssl_server_credentials([(key.read(), cert.read())])
 
 
 def is_loopback(host: str) -> bool:

@@ -23,6 +23,7 @@ from router.requests import RequestRunner
 from router.routing_metrics import RoutingMetrics
 from router.routing_policy import RoutingPolicy
 from router.service import GenerationServicer
+from router.tls_reload import CertificateFiles
 from router.worker_pool import WorkerPool
 from router.worker_selector import WorkerSelector
 
@@ -53,6 +54,8 @@ class RouterServer:
         self.http_port: int | None = None
         self._http = None
         self._metrics_server = None
+        self._certs: CertificateFiles | None = None
+        self._cert_watch: asyncio.Task | None = None
 
     async def start(self, wait_for_workers_s: float = 0.0) -> str:
         config = self.config
@@ -79,10 +82,12 @@ class RouterServer:
             GenerationServicer(self.runner, self.keys, config.route_metadata), self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
         warn_if_exposed(config.host, config.security, self.keys)
-        credentials = config.security.grpc_credentials()
         bind = f"{config.host}:{config.port}"
-        port = (self._server.add_secure_port(bind, credentials) if credentials is not None
-                else self._server.add_insecure_port(bind))
+        if config.security.tls:
+            self._certs = CertificateFiles(config.security.tls_cert_file, config.security.tls_key_file)
+            port = self._server.add_secure_port(bind, self._certs.grpc_credentials())
+        else:
+            port = self._server.add_insecure_port(bind)
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = f"{config.host}:{port}"
@@ -92,6 +97,8 @@ class RouterServer:
                                     config.host, config.http_port, config.security.tls_cert_file,
                                     config.security.tls_key_file)
             self.http_port = await self._http.start()
+            if self._certs is not None:
+                self._cert_watch = asyncio.create_task(self._certs.watch_http(self._http.ssl_context))
         if config.metrics_port is not None:
             self._metrics_server = self.metrics.serve(config.host, config.metrics_port)
         await set_serving(self._health, [SERVICE], True)
@@ -106,6 +113,8 @@ class RouterServer:
             await asyncio.sleep(0.05)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._cert_watch is not None:
+            self._cert_watch.cancel()
         if self._http is not None:
             await self._http.stop(grace_s)
         if self._server is not None:

@@ -42,6 +42,11 @@ class HttpServer:
             await asyncio.sleep(0.01)
         return self.port
 
+    @property
+    def ssl_context(self):
+        """The TLS context serving new connections (None without TLS)."""
+        return self._server.config.ssl if self._server is not None else None
+
     async def stop(self, grace_s: float) -> None:
         """Close the listener; open responses get `grace_s`, then their tasks are cancelled."""
         if self._server is None:
