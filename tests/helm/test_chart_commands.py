@@ -107,3 +107,49 @@ def test_chart_runs_every_role_with_the_real_cli(rendered, tmp_path):
     refused = {where: f"pdserve {shlex.join(argv)}\n    -> {error}"
                for (where, argv), error in zip(commands, json.loads(done.stdout), strict=True) if error}
     assert not refused, "the CLI refuses the chart's commands:\n" + "\n".join(f"{w}: {e}" for w, e in refused.items())
+
+
+def test_the_bundled_redis_command_requires_the_secrets_password(rendered):
+    """The chart's Redis container command, run as written (on a free port) with its env from the
+    Secret: a real redis-server that refuses clients without the password, which it got on stdin,
+    and answers the readiness probe (redis-cli with REDISCLI_AUTH)."""
+    import os
+    import shutil
+    import time
+
+    import pytest
+    import redis
+
+    from tests.cluster.harness import free_port
+
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
+    [(spec, container)] = [(s, c) for _, s in pod_specs(objects(rendered["defaults"])) for c in s["containers"]
+                           if c["name"] == "redis"]
+    port = free_port()
+    script = container["args"][0].replace("--port 6379", f"--port {port} --bind 127.0.0.1")
+    assert script != container["args"][0]
+    env = dict(os.environ, **container_env(container))
+    server = subprocess.Popen([*container["command"], script], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, password=SAMPLE_SECRET, socket_timeout=5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.05)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=5).ping()
+        cli, *probe_args = container["readinessProbe"]["exec"]["command"]
+        probe = [cli, "-p", str(port), *probe_args]
+        assert subprocess.run(probe, env=env, capture_output=True, text=True, timeout=10).stdout.strip() == "PONG"
+        with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+            assert SAMPLE_SECRET.encode() not in f.read()
+    finally:
+        server.terminate()
+        server.wait(10)
