@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 
 import grpc
 
 from engine.sampling_params import SamplingParams
-from pdserve.grpc_common import client_channel
+from pdserve.client_channel import api_key, client_channel
 from pdserve.jsonl_requests import LineError, LineRequest, read_requests, result_line
 from pdserve.protocol import (
     finish_reason_name,
@@ -50,28 +49,11 @@ def build_request(request_id: str, params: SamplingParams, prompt: str | None = 
     return msg
 
 
-API_KEY_ENV = "PDSERVE_API_KEY"
-
-
-def api_key(key_file: str | None = None) -> str | None:
-    """The client's API key: the first line of `key_file`, else $PDSERVE_API_KEY, else None."""
-    if key_file is not None:
-        with open(key_file, encoding="utf-8") as f:
-            return f.readline().strip() or None
-    return os.environ.get(API_KEY_ENV) or None
-
-
-def auth_metadata(key: str | None) -> tuple:
-    """Call metadata carrying `key` (what a router with API keys requires)."""
-    return (("authorization", f"Bearer {key}"),) if key else ()
-
-
-async def generate_one(stub, request, on_chunk=None, timeout: float | None = None,
-                       metadata: tuple = ()) -> list[SampleResult]:
+async def generate_one(stub, request, on_chunk=None, timeout: float | None = None) -> list[SampleResult]:
     """Run one Generate call to its end; `on_chunk(index, chunk)` sees each chunk as it arrives.
 
     Raises grpc.aio.AioRpcError on a failed call."""
-    return await collect_samples(stub.Generate(request, timeout=timeout, metadata=metadata), on_chunk)
+    return await collect_samples(stub.Generate(request, timeout=timeout), on_chunk)
 
 
 async def collect_samples(responses, on_chunk=None) -> list[SampleResult]:
@@ -92,17 +74,16 @@ async def collect_samples(responses, on_chunk=None) -> list[SampleResult]:
 
 
 def run_generate_url(args) -> int:
-    metadata = auth_metadata(api_key(args.api_key_file))
     return asyncio.run(_generate_file(args.url, args.input, args.output, args.stream, args.timeout,
-                                      args.tls_ca, metadata))
+                                      args.tls_ca, api_key(args.api_key_file)))
 
 
 async def _generate_file(url: str, input_path: str, output_path: str, stream: bool, timeout: float | None,
-                         tls_ca_file: str | None = None, metadata: tuple = ()) -> int:
+                         tls_ca_file: str | None = None, key: str | None = None) -> int:
     requests, errors = read_requests(input_path)
-    async with client_channel(url, tls_ca_file) as channel:
+    async with client_channel(url, tls_ca_file, key) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
-        outcomes = await asyncio.gather(*(_one(stub, r, stream, timeout, metadata) for r in requests))
+        outcomes = await asyncio.gather(*(_one(stub, r, stream, timeout) for r in requests))
     with open(output_path, "w", encoding="utf-8") as out:
         for request, outcome in zip(requests, outcomes, strict=True):
             if isinstance(outcome, LineError):
@@ -117,7 +98,7 @@ async def _generate_file(url: str, input_path: str, output_path: str, stream: bo
     return 1 if errors else 0
 
 
-async def _one(stub, request: LineRequest, stream: bool, timeout: float | None, metadata: tuple = ()):
+async def _one(stub, request: LineRequest, stream: bool, timeout: float | None):
     msg = build_request(request.request_id, request.params, request.prompt, request.token_ids, request.messages)
 
     def show(index: int, chunk) -> None:
@@ -125,7 +106,7 @@ async def _one(stub, request: LineRequest, stream: bool, timeout: float | None, 
                           "text": chunk.text}, ensure_ascii=False), flush=True)
 
     try:
-        return await generate_one(stub, msg, show if stream else None, timeout, metadata)
+        return await generate_one(stub, msg, show if stream else None, timeout)
     except grpc.aio.AioRpcError as exc:
         details = exc.details() or ""
         field_name, _, message = details.partition(": ")

@@ -43,15 +43,6 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-def client_channel(address: str, tls_ca_file: str | None = None) -> grpc.aio.Channel:
-    """A channel to a public front: TLS verified against `tls_ca_file` when given, else plaintext."""
-    if tls_ca_file is None:
-        return insecure_channel(address)
-    with open(tls_ca_file, "rb") as f:
-        credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
-
-
 def run_until_signalled(server, ready_line: Callable[[str], str]) -> int:
     """Process body of a router or worker: start `server`, print its ready line, and on
     SIGTERM/SIGINT drain it (no new requests, in-flight ones finish) and stop."""

@@ -7,6 +7,7 @@ generate --url`).
 from __future__ import annotations
 
 import json
+import os
 import random
 import ssl
 import subprocess
@@ -264,3 +265,31 @@ def test_pdserve_generate_url_with_tls_and_a_key(tls_router, tls_files, tmp_path
                              timeout=120)
     assert refused.returncode != 0
     assert "UNAUTHENTICATED" in refused.stderr
+
+
+def test_pdserve_generate_url_plaintext_with_a_key_from_the_environment(keyed_router, tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "Hello", "max_tokens": 2}) + "\n")
+    argv = [sys.executable, "-m", "pdserve.cli", "generate", "--url", keyed_router.address,
+            "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    env = dict(os.environ, PDSERVE_API_KEY=KEYS["bob"])
+    ok = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert len(json.loads((tmp_path / "out.jsonl").read_text())["token_ids"]) == 2
+    env.pop("PDSERVE_API_KEY")
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+
+
+def test_pdserve_loadtest_with_tls_and_a_key(tls_router, tls_files, tmp_path):
+    (tmp_path / "key").write_text(KEYS["alice"] + "\n")
+    argv = [sys.executable, "-m", "pdserve.cli", "loadtest", "--url", tls_router.address, "--tls-ca", tls_files.ca,
+            "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "2", "--no-progress",
+            "--output", str(tmp_path / "result.json")]
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    done = subprocess.run([*argv, "--api-key-file", str(tmp_path / "key")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["completed"], result["failed"]) == (2, 0)
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert json.loads((tmp_path / "result.json").read_text())["completed"] == 0, refused.stdout
