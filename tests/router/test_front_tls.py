@@ -76,3 +76,17 @@ def test_tls_fronts_refuse_plaintext_and_pick_up_a_new_certificate(tmp_path):
             https_health(url, first.ca)
     finally:
         router.stop()
+
+
+def test_a_router_bound_beyond_loopback_without_keys_or_tls_warns():
+    router = start("router", ["router", "--host", "0.0.0.0", "--port", "0"])
+    try:
+        output = "".join(router.output)
+        assert "without API keys" in output and "without TLS" in output
+    finally:
+        router.stop()
+    loopback = start("router", ["router", "--port", "0"])
+    try:
+        assert "without API keys" not in "".join(loopback.output)
+    finally:
+        loopback.stop()

@@ -95,3 +95,39 @@ def test_worker_and_router_meet_through_a_protected_redis_with_the_password_in_a
         if router is not None:
             router.stop()
         worker.stop()
+
+
+def test_a_rediss_url_speaks_tls_to_a_real_redis(tmp_path, password_file, monkeypatch):
+    """rediss:// with the server's CA in the URL (`?ssl_ca_certs=`), the password from a file."""
+    import shutil
+    import subprocess
+
+    from tests.tls_certs import make_tls_files
+
+    monkeypatch.delenv(redis_client.PASSWORD_ENV, raising=False)
+    tls = make_tls_files(tmp_path)
+    port = free_port()
+    server = subprocess.Popen([shutil.which("redis-server"), "-", "--port", "0", "--tls-port", str(port),
+                               "--bind", "127.0.0.1", "--save", "", "--tls-cert-file", tls.cert,
+                               "--tls-key-file", tls.key, "--tls-ca-cert-file", tls.ca, "--tls-auth-clients", "no"],
+                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    server.stdin.write(f'requirepass "{PASSWORD}"\n'.encode())
+    server.stdin.close()
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={tls.ca}"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert ping(url, password_file=password_file)
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        with pytest.raises(redis.AuthenticationError):
+            ping(url)
+        with pytest.raises(redis.ConnectionError):  # plaintext to the TLS port
+            ping(f"redis://127.0.0.1:{port}/0", password_file=password_file)
+    finally:
+        server.terminate()
+        server.wait(10)
