@@ -110,7 +110,7 @@ def run_policy(policy: str, args, prompts, offsets) -> dict:
         procs.append(start("decode", ["decode-worker", *flags, "--kv-cache-memory-gib", "1.0"]))
         metrics_port = free_port()
         router = start("router", ["router", "--port", "0", "--model", args.model, "--routing-policy", policy,
-                                  "--skip-prefill-tokens", "0", "--metrics-port", str(metrics_port),
+                                  "--skip-prefill-tokens", "0", "--metrics-port", str(metrics_port), "--route-metadata",
                                   "--prefill-workers", f"{procs[0].address},{procs[1].address}",
                                   "--decode-workers", procs[2].address])
         procs.append(router)

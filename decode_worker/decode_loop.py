@@ -102,6 +102,7 @@ class _Job:
     source: KVSource
     sink: Sink
     give_up_at: float
+    cache_salt: str = ""
     transfer: Transfer | None = None
     pull_started: float = 0.0
 
@@ -122,18 +123,19 @@ class DecodeLoop(EngineLoop):
 
     # ---- asyncio side ------------------------------------------------------
     def decode(self, request_id: str, prompt: list[int], params: SamplingParams, source: KVSource | None,
-               sink: Sink) -> asyncio.Future:
-        """Start a request; its deltas (or a terminal exception) go to `sink`.
+               sink: Sink, cache_salt: str = "") -> asyncio.Future:
+        """Start a request; its deltas (or a terminal exception) go to `sink`. (`cache_salt`:
+        LLMEngine.add_request.)
 
         The returned future fails at once for a request the engine refuses."""
         def add() -> None:
             if source is None:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
             else:
                 self.engine.validate_prompt(prompt)
                 self.engine.validate_params(params, source.first_token_id)
                 self._queued.append(_Job(request_id, prompt, params, source, sink,
-                                         time.monotonic() + self.pull_timeout_s))
+                                         time.monotonic() + self.pull_timeout_s, cache_salt))
             self.add_sink(request_id, sink)
             self.count_request(len(prompt))
         return self.call(add)
@@ -183,7 +185,7 @@ class DecodeLoop(EngineLoop):
         if state == TransferState.DONE:
             self.observe_transfer_s(time.monotonic() - job.pull_started)
             self.engine.add_request(job.request_id, job.prompt, job.params,
-                                    first_token_id=job.source.first_token_id)
+                                    first_token_id=job.source.first_token_id, cache_salt=job.cache_salt)
         else:
             self.transfers_failed += 1
             self.engine.release_kv(job.request_id)
@@ -224,7 +226,7 @@ class DecodeLoop(EngineLoop):
         """Reserve blocks and start the pull of the queue's first job: 1 when a pull started,
         0 when the job went on otherwise (recompute), None to wait for free blocks."""
         try:
-            table, num_local = self.engine.reserve_kv(job.request_id, job.prompt)
+            table, num_local = self.engine.reserve_kv(job.request_id, job.prompt, job.cache_salt)
         except MemoryError:
             if time.monotonic() < job.give_up_at:
                 return None
@@ -254,7 +256,7 @@ class DecodeLoop(EngineLoop):
         logger.info("%s: %s; recomputing the prompt locally", job.request_id, why)
         self.num_recomputed += 1
         self.engine.add_request(job.request_id, job.prompt, job.params, first_token_id=job.source.first_token_id,
-                                recompute_prompt=True)
+                                recompute_prompt=True, cache_salt=job.cache_salt)
 
     def _release_remote(self, job: _Job) -> None:
         """Tell the prefill worker to free its copy now rather than at lease expiry (an empty read)."""

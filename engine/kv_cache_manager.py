@@ -45,15 +45,16 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_prefix(self, seq_id: str, token_ids: list[int]) -> PrefixHit:
-        """Longest run of cached full blocks at the start of `token_ids`.
+    def find_prefix(self, seq_id: str, token_ids: list[int], salt: str = "") -> PrefixHit:
+        """Longest run of cached full blocks at the start of `token_ids` (hashed with `salt`:
+        only blocks cached under the same salt can match).
 
         At most len-1 tokens are reported, so the last token is always computed
         (its logits are needed to sample). Counts tokens queried and hit.
         """
         if not self.enable_prefix_caching:
             return PrefixHit()
-        hashes = self._hashes_for(seq_id, token_ids)
+        hashes = self._hashes_for(seq_id, token_ids, salt)
         max_blocks = (len(token_ids) - 1) // self.block_size
         hit = PrefixHit()
         bs = self.block_size
@@ -123,15 +124,16 @@ class KVCacheManager:
         if parent_id in self._hashes:
             self._hashes[child_id] = list(self._hashes[parent_id])
 
-    def cache_computed_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Register the sequence's full blocks whose KV is now computed."""
+    def cache_computed_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int,
+                              salt: str = "") -> None:
+        """Register the sequence's full blocks whose KV is now computed (under the sequence's `salt`)."""
         if not self.enable_prefix_caching:
             return
         num_full = num_computed_tokens // self.block_size
         done = self._num_registered.get(seq_id, 0)
         if num_full <= done:
             return
-        hashes = self._hashes_for(seq_id, token_ids[:num_full * self.block_size])
+        hashes = self._hashes_for(seq_id, token_ids[:num_full * self.block_size], salt)
         table = self.block_tables[seq_id]
         bs = self.block_size
         for i in range(done, num_full):
@@ -146,10 +148,10 @@ class KVCacheManager:
         self._num_registered.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
 
-    def _hashes_for(self, seq_id: str, token_ids: list[int]) -> list[int]:
+    def _hashes_for(self, seq_id: str, token_ids: list[int], salt: str) -> list[int]:
         known = self._hashes.get(seq_id)
         num_full = len(token_ids) // self.block_size
         if known is None or len(known) < num_full:
-            known = hash_full_blocks(token_ids[:num_full * self.block_size], self.block_size, known)
+            known = hash_full_blocks(token_ids[:num_full * self.block_size], self.block_size, known, salt)
             self._hashes[seq_id] = known
         return known[:num_full]

@@ -87,7 +87,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     first_token_id: int | None = None, prefill_only: bool = False,
-                    recompute_prompt: bool = False) -> None:
+                    recompute_prompt: bool = False, cache_salt: str = "") -> None:
         """Queue a prompt. Raises InvalidParameter naming the bad field.
 
         With `first_token_id` (decode role) the prompt's KV must already sit in
@@ -99,6 +99,7 @@ class LLMEngine:
         With `prefill_only` (prefill role) the request stops after its first
         token; unless that token ended it, its blocks are kept (the delta's
         `kv_block_ids`) until `release_kv`.
+        `cache_salt` (also given to `reserve_kv`) keeps its prefix-cache blocks apart from other salts'.
         """
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params, first_token_id)
@@ -109,7 +110,8 @@ class LLMEngine:
         if first_token_id is not None and not recompute_prompt and request_id not in self._reserved:
             raise ValueError(f"{request_id}: call reserve_kv before adding a request with its KV")
         request = Request(request_id, list(prompt_token_ids), params.for_sample(0) if params.n > 1 else params,
-                          group_id=request_id, pending_forks=params.n - 1, prefill_only=prefill_only)
+                          group_id=request_id, pending_forks=params.n - 1, prefill_only=prefill_only,
+                          cache_salt=cache_salt)
         sample = self._track(request, params.for_sample(0).seed if params.n > 1 else params.seed)
         self._groups[request_id] = [request_id]
         self._group_params[request_id] = params
@@ -128,7 +130,7 @@ class LLMEngine:
                 self.scheduler.finish(request, reason)
                 self._ended_between_steps.append(sample)
 
-    def reserve_kv(self, request_id: str, prompt_token_ids: list[int]) -> tuple[list[int], int]:
+    def reserve_kv(self, request_id: str, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
         """Decode role: blocks for a prompt whose KV is computed elsewhere.
 
         Locally cached prefix blocks are reused. Returns the block table and how
@@ -139,7 +141,7 @@ class LLMEngine:
         if request_id in self._groups or request_id in self._reserved:
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
         self._wait_for_launched_step()  # blocks freed meanwhile may be handed out and written by a pull
-        hit = self.kv.find_prefix(request_id, prompt_token_ids)
+        hit = self.kv.find_prefix(request_id, prompt_token_ids, cache_salt)
         if self.kv.allocate_slots(request_id, 0, len(prompt_token_ids) - hit.num_tokens, hit) is None:
             raise MemoryError("not enough free KV blocks for this prompt")
         self._reserved[request_id] = hit.num_tokens
@@ -292,7 +294,7 @@ class LLMEngine:
         """Split off parallel sample `index` sharing the parent's computed blocks."""
         params = self._group_params[parent.group_id].for_sample(index)
         child = Request(f"{parent.group_id}#{index}", list(parent.prompt_token_ids), params,
-                        group_id=parent.group_id, sample_index=index)
+                        group_id=parent.group_id, sample_index=index, cache_salt=parent.cache_salt)
         child.all_token_ids = list(parent.all_token_ids)
         self.scheduler.fork(parent, child)
         self._groups[parent.group_id].append(child.request_id)

@@ -50,6 +50,8 @@ class Request:
     num_preemptions: int = 0
     prefill_only: bool = False
     """Prefill role: stop after the first token and keep the blocks for a transfer."""
+    cache_salt: str = ""
+    """Mixed into the first block hash: only requests with the same salt share prefix-cache blocks."""
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -86,7 +86,7 @@ class Scheduler:
             request = self.waiting[0]
             prefix = None
             if not self.kv.block_table(request.request_id):
-                prefix = self.kv.find_prefix(request.request_id, request.all_token_ids)
+                prefix = self.kv.find_prefix(request.request_id, request.all_token_ids, request.cache_salt)
             num_done = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
             num_new = min(request.num_tokens - num_done, budget)
             copies = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, prefix)
@@ -130,7 +130,7 @@ class Scheduler:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(request.request_id, request.all_token_ids,
-                                          request.num_computed_tokens)
+                                          request.num_computed_tokens, request.cache_salt)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Add a parallel sample sharing the parent's blocks (after its first token)."""

@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-requests", default=None, metavar="FILE.jsonl", help="per-request detail")
     p.add_argument("--plot-dir", default=None, help="write PNG plots here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tls-ca", default=None, help="PEM CA certificate: reach the router over TLS and verify it")
+    p.add_argument("--api-key-file", default=None, help="file whose first line is the API key (else $PDSERVE_API_KEY)")
 
 
 def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
@@ -48,7 +50,8 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
                           request_rate=args.request_rate, burstiness=args.burstiness,
                           max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
                           duration_s=args.duration_s, request_timeout_s=args.request_timeout_s,
-                          slos=parse_slos(args.goodput), seed=args.seed, progress=not args.no_progress)
+                          slos=parse_slos(args.goodput), seed=args.seed, progress=not args.no_progress,
+                          tls_ca_file=args.tls_ca, api_key_file=args.api_key_file)
 
 
 def parse_rates(text: str) -> list[float]:

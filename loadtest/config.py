@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -99,10 +100,18 @@ class LoadTestConfig:
     """Seeds the dataset and the arrival times."""
     progress: bool = True
     """Show a progress bar on stderr."""
+    tls_ca_file: str | None = None
+    """Reach the router over TLS, verifying it against this PEM CA."""
+    api_key_file: str | None = None
+    """File whose first line is the router's API key (else $PDSERVE_API_KEY; none: no key)."""
 
     def __post_init__(self) -> None:
         if not self.url or ":" not in self.url:
             raise ValueError(f"url must be HOST:PORT, got {self.url!r}")
+        for name in ("tls_ca_file", "api_key_file"):
+            path = getattr(self, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"{name}: cannot read {path!r}")
         if self.num_prompts < 1:
             raise ValueError("num_prompts must be >= 1")
         if not self.request_rate > 0:

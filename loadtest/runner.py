@@ -10,7 +10,7 @@ from loadtest.client import make_request, send
 from loadtest.config import LoadTestConfig
 from loadtest.datasets import Prompt, load_prompts
 from loadtest.stats import RequestRecord, summarize
-from pdserve.grpc_common import insecure_channel
+from pdserve.client_channel import api_key, client_channel
 from pdserve.protocol import generate_pb2_grpc
 
 
@@ -36,7 +36,7 @@ def run(config: LoadTestConfig, prompts: list[Prompt] | None = None) -> RunResul
 
 async def run_async(config: LoadTestConfig, prompts: list[Prompt]) -> RunResult:
     warmups, measured = prompts[:config.num_warmups], prompts[config.num_warmups:]
-    async with insecure_channel(config.url) as channel:
+    async with client_channel(config.url, config.tls_ca_file, api_key(config.api_key_file)) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         if warmups:
             await asyncio.gather(*(send(stub, -1 - i, make_request(f"warmup-{i}", p), p.prompt_len,

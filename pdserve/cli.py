@@ -64,6 +64,9 @@ def add_registry_args(p: argparse.ArgumentParser) -> None:
                    help="share the worker registry and KV events through this Redis (redis://host:port/db)")
     p.add_argument("--registry-ttl-s", type=float, default=3.0,
                    help="lifetime of a worker's registration in Redis (renewed every third of it)")
+    p.add_argument("--redis-password-file", default=None,
+                   help="file holding the Redis password (else $REDIS_PASSWORD; keep it out of --redis-url, "
+                        "which any local user can read in the process list)")
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str, standalone: bool = True):
@@ -79,7 +82,8 @@ def worker_config_from_args(args: argparse.Namespace, role: str, standalone: boo
                         kv_transfer=kv, lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                         max_num_requests=args.max_num_requests, num_threads=args.num_threads,
                         drain_timeout_s=args.drain_timeout_s, redis_url=args.redis_url,
-                        registry_ttl_s=args.registry_ttl_s, metrics_port=args.metrics_port if standalone else None)
+                        registry_ttl_s=args.registry_ttl_s, metrics_port=args.metrics_port if standalone else None,
+                        redis_password_file=args.redis_password_file)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -117,11 +121,19 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt text tokenized (default: max model len x 16 characters)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="largest gRPC request message / HTTP request body the router reads")
+    p.add_argument("--api-key-file", default=None,
+                   help="file of TENANT:KEY lines; then Generate, Abort and /v1 need 'authorization: Bearer KEY' "
+                        "(keys may also come from $PDSERVE_API_KEYS, comma-separated; never on the command line)")
+    p.add_argument("--tls-cert-file", default=None, help="PEM certificate: the gRPC and HTTP fronts speak TLS only")
+    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--route-metadata", action="store_true",
+                   help="name the workers of each sample in Generate's trailing metadata (debugging)")
     add_registry_args(p)
 
 
 def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode: list[str]):
     from router.config import RouterConfig
+    from router.front_security import FrontSecurityConfig
     from router.routing_policy import RoutingWeights
     return RouterConfig(model=args.model, host=args.host, port=args.port, prefill_workers=prefill,
                         decode_workers=decode, routing_policy=args.routing_policy,
@@ -137,7 +149,11 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         lease_s=args.lease_s,
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         drain_timeout_s=args.router_drain_timeout_s, max_n=args.max_n,
-                        max_prompt_chars=args.max_prompt_chars, max_request_bytes=args.max_request_bytes)
+                        max_prompt_chars=args.max_prompt_chars, max_request_bytes=args.max_request_bytes,
+                        security=FrontSecurityConfig(api_key_file=args.api_key_file,
+                                                     tls_cert_file=args.tls_cert_file,
+                                                     tls_key_file=args.tls_key_file),
+                        route_metadata=args.route_metadata, redis_password_file=args.redis_password_file)
 
 
 def _addresses(text: str) -> list[str]:
@@ -155,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true",
                      help="with --url: print every chunk as a JSON line on stdout as it arrives")
     gen.add_argument("--timeout", type=float, default=None, help="with --url: per-request deadline, seconds")
+    gen.add_argument("--api-key-file", default=None,
+                     help="with --url: file whose first line is the API key (else $PDSERVE_API_KEY)")
+    gen.add_argument("--tls-ca", default=None,
+                     help="with --url: PEM CA certificate; the router is then reached over TLS and verified")
     gen.add_argument("--input", required=True)
     gen.add_argument("--output", required=True)
     add_engine_args(gen)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.sampling_params import SamplingParams
-from pdserve.grpc_common import insecure_channel
+from pdserve.client_channel import api_key, client_channel
 from pdserve.jsonl_requests import LineError, LineRequest, read_requests, result_line
 from pdserve.protocol import (
     finish_reason_name,
@@ -74,12 +74,14 @@ async def collect_samples(responses, on_chunk=None) -> list[SampleResult]:
 
 
 def run_generate_url(args) -> int:
-    return asyncio.run(_generate_file(args.url, args.input, args.output, args.stream, args.timeout))
+    return asyncio.run(_generate_file(args.url, args.input, args.output, args.stream, args.timeout,
+                                      args.tls_ca, api_key(args.api_key_file)))
 
 
-async def _generate_file(url: str, input_path: str, output_path: str, stream: bool, timeout: float | None) -> int:
+async def _generate_file(url: str, input_path: str, output_path: str, stream: bool, timeout: float | None,
+                         tls_ca_file: str | None = None, key: str | None = None) -> int:
     requests, errors = read_requests(input_path)
-    async with insecure_channel(url) as channel:
+    async with client_channel(url, tls_ca_file, key) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         outcomes = await asyncio.gather(*(_one(stub, r, stream, timeout) for r in requests))
     with open(output_path, "w", encoding="utf-8") as out:

@@ -180,7 +180,8 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
     address = await router.start(wait_for_workers_s=60.0)
     extras = ""
     if router.http_port is not None:
-        extras += f", OpenAI API at http://{router_config.host}:{router.http_port}/v1"
+        scheme = "https" if router_config.security.tls else "http"
+        extras += f", OpenAI API at {scheme}://{router_config.host}:{router.http_port}/v1"
     if router_config.metrics_port is not None:
         extras += f", metrics at http://{router_config.host}:{router_config.metrics_port}/metrics"
     print(f"ready: pdserve serving at {address} ({config.num_prefill} prefill, {config.num_decode} decode"

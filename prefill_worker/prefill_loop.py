@@ -41,12 +41,14 @@ class PrefillLoop(EngineLoop):
         self.transfers_failed = 0
 
     # ---- asyncio side ------------------------------------------------------
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float) -> asyncio.Future:
-        """Queue a prompt; the future resolves to a PrefillResult at its first token."""
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float,
+                cache_salt: str = "") -> asyncio.Future:
+        """Queue a prompt; the future resolves to a PrefillResult at its first token. (`cache_salt`:
+        LLMEngine.add_request.)"""
         result = self.aio.create_future()
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params, prefill_only=True)
+            self.engine.add_request(request_id, prompt, params, prefill_only=True, cache_salt=cache_salt)
             self.count_request(len(prompt))
             self._waiting[request_id] = (result, lease_s)
 

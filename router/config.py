@@ -1,8 +1,10 @@
 """Configuration of one router process."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from router.front_security import FrontSecurityConfig
 from router.routing_policy import POLICIES as ROUTING_POLICIES
 from router.routing_policy import RoutingWeights
 
@@ -55,6 +57,13 @@ class RouterConfig:
     before any tokenizing. Default: max_model_len * PROMPT_CHARS_PER_TOKEN."""
     max_request_bytes: int = 4 << 20
     """Largest gRPC request message and HTTP request body the router reads."""
+    security: FrontSecurityConfig = field(default_factory=FrontSecurityConfig)
+    """TLS and API keys of the public fronts (router/front_security.py)."""
+    route_metadata: bool = False
+    """Name the workers of each sample in Generate's trailing metadata (debugging, benchmarks). Off by
+    default: internal addresses are not the clients' business."""
+    redis_password_file: str | None = None
+    """Redis password, read from this file (else $REDIS_PASSWORD, else the one in redis_url)."""
 
     def __post_init__(self) -> None:
         for address in [*self.prefill_workers, *self.decode_workers]:
@@ -71,6 +80,8 @@ class RouterConfig:
                 raise ValueError(f"{name} out of range: {value}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.redis_password_file is not None and not os.access(self.redis_password_file, os.R_OK):
+            raise ValueError(f"redis_password_file: cannot read {self.redis_password_file!r}")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:

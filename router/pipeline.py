@@ -58,7 +58,7 @@ class GenerationPipeline:
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         tag = uuid.uuid4().hex[:8]
-        hashes = self.selector.block_hashes(request.prompt_token_ids)
+        hashes = self.selector.block_hashes(request.prompt_token_ids, request.cache_salt)
         routes = [] if routes is None else routes
         if request.params.n == 1:
             async for msg in self._sample(f"{request.request_id}-{tag}", 0, request, request.params, deadline,
@@ -112,10 +112,12 @@ class GenerationPipeline:
             raise PipelineError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         routes.append((index, route))
         try:
-            decode_req = worker_pb2.DecodeRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg)
+            decode_req = worker_pb2.DecodeRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg,
+                                                  cache_salt=request.cache_salt)
             cached = None
             if route.remote_prefill:
-                first = await self._prefill(sample_id, prompt, hashes, params_msg, deadline, touched, route)
+                first = await self._prefill(sample_id, prompt, hashes, params_msg, deadline, touched, route,
+                                            request.cache_salt)
                 cached = first.cached_tokens
                 yield generate_pb2.GenerateResponse(index=index, chunk=first.first)
                 if first.finished:
@@ -140,9 +142,10 @@ class GenerationPipeline:
                 for worker in touched:
                     self._abort_later(worker, sample_id)
 
-    async def _prefill(self, sample_id, prompt, hashes, params_msg, deadline, touched, route: Route):
+    async def _prefill(self, sample_id, prompt, hashes, params_msg, deadline, touched, route: Route,
+                       cache_salt: str = ""):
         request = worker_pb2.PrefillRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg,
-                                            lease_s=self.config.lease_s)
+                                            lease_s=self.config.lease_s, cache_salt=cache_salt)
         tried: list[WorkerClient] = []
         while True:
             picked = self.selector.pick_prefill(len(prompt), hashes, exclude=tuple(tried))

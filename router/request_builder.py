@@ -5,6 +5,7 @@ refused (INVALID_ARGUMENT naming the field) before anything is queued.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from engine.tokenizer import Tokenizer
 from pdserve.protocol import params_from_proto
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 PROMPT_CHARS_PER_TOKEN = 16
 """Generous characters per token: text longer than max_model_len times this cannot fit the context."""
 
@@ -24,6 +26,14 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str = ""
+    """The effective salt of the prompt's blocks (`effective_cache_salt`)."""
+
+
+def effective_cache_salt(tenant: str | None, client_salt: str) -> str:
+    """The salt the workers hash with: the client's, combined with its tenant when API keys are on,
+    so two tenants never share a block whatever salts they send."""
+    return client_salt if tenant is None else json.dumps([tenant, client_salt])
 
 
 class RequestBuilder:
@@ -37,14 +47,16 @@ class RequestBuilder:
         self.max_n = max_n
         self.max_prompt_chars = max_prompt_chars or self.max_model_len * PROMPT_CHARS_PER_TOKEN
 
-    def build(self, msg, max_tokens_to_context: bool = False) -> PreparedRequest:
+    def build(self, msg, max_tokens_to_context: bool = False, tenant: str | None = None) -> PreparedRequest:
         """Validate and tokenize a pdserve.v1.GenerateRequest; raises InvalidParameter.
 
         With `max_tokens_to_context`, an unset max_tokens means the rest of the
-        context (OpenAI's chat API) instead of 16."""
+        context (OpenAI's chat API) instead of 16. `tenant`: the caller's, when API keys are on."""
         request_id = msg.request_id or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidParameter("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
+        if len(msg.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidParameter("cache_salt", f"longer than {MAX_CACHE_SALT_CHARS} characters")
         if msg.params.HasField("n") and not 1 <= msg.params.n <= self.max_n:
             raise InvalidParameter("params.n", f"must be between 1 and {self.max_n}")
         self.check_size(msg)
@@ -59,7 +71,7 @@ class RequestBuilder:
         except InvalidParameter as exc:
             raise InvalidParameter(f"params.{exc.field}", str(exc).split(": ", 1)[1]) from None
         self.check(prompt, params)
-        return PreparedRequest(request_id, prompt, params)
+        return PreparedRequest(request_id, prompt, params, effective_cache_salt(tenant, msg.cache_salt))
 
     def check_size(self, msg) -> None:
         """Cheap bounds checked before any tokenizing: a prompt that cannot fit the context is refused

@@ -54,36 +54,40 @@ class RequestRunner:
     def num_running(self) -> int:
         return len(self._running)
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a running request; False when none has that id."""
-        task = self._running.get(request_id)
+    def abort(self, request_id: str, tenant: str | None = None) -> bool:
+        """Cancel a running request of `tenant`; False when it has none with that id (another
+        tenant's request of that id is neither cancelled nor acknowledged)."""
+        task = self._running.get((tenant, request_id))
         if task is not None:
             task.cancel()
         return task is not None
 
     async def generate(self, msg: generate_pb2.GenerateRequest, timeout_s: float | None = None,
                        max_tokens_to_context: bool = False,
-                       routes: list | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
+                       routes: list | None = None,
+                       tenant: str | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Yield the request's responses; raises RequestFailed. Closing or cancelling the
-        consumer aborts the request on every worker. (`max_tokens_to_context`:
-        RequestBuilder.build; `routes` receives (index, Route) per sample, as the pipeline's.)"""
+        consumer aborts the request on every worker. (`max_tokens_to_context`, `tenant`:
+        RequestBuilder.build; `routes` receives (index, Route) per sample, as the pipeline's.)
+        Request ids are per tenant: one tenant's ids neither collide with nor abort another's."""
         arrival = time.perf_counter()
         if self.draining:
             raise self._failed(grpc.StatusCode.UNAVAILABLE, "the router is draining")
         try:
             if msg.WhichOneof("input") in ("text", "chat"):  # tokenizing: off the event loop
                 prepared = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize, self.builder.build, msg, max_tokens_to_context)
+                    self._tokenize, self.builder.build, msg, max_tokens_to_context, tenant)
             else:
-                prepared = self.builder.build(msg, max_tokens_to_context)
+                prepared = self.builder.build(msg, max_tokens_to_context, tenant)
         except InvalidParameter as exc:
             raise self._failed(grpc.StatusCode.INVALID_ARGUMENT, str(exc), field=exc.field) from None
-        if prepared.request_id in self._running:
+        key = (tenant, prepared.request_id)
+        if key in self._running:
             raise self._failed(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: {prepared.request_id!r} is already running", field="request_id")
         items: asyncio.Queue = asyncio.Queue()
         producer = asyncio.create_task(self._produce(prepared, timeout_s, items, routes))
-        self._running[prepared.request_id] = producer
+        self._running[key] = producer
         first_token_at = last_chunk_at = None
         num_tokens = 0
         try:
@@ -119,7 +123,7 @@ class RequestRunner:
             raise
         finally:
             producer.cancel()  # its pipeline aborts the request on every worker it touched
-            self._running.pop(prepared.request_id, None)
+            self._running.pop(key, None)
 
     async def _produce(self, prepared, timeout_s, items: asyncio.Queue, routes: list | None) -> None:
         try:

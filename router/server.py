@@ -9,7 +9,9 @@ import time
 from pdserve.grpc_common import add_health_and_reflection, new_server, run_until_signalled, set_serving
 from pdserve.protocol import generate_pb2, generate_pb2_grpc
 from router.admission import AdmissionQueue
+from router.auth import ApiKeys
 from router.config import RouterConfig
+from router.front_security import warn_if_exposed
 from router.kv_feeds import KvFeeds
 from router.kv_index import KvIndex
 from router.metrics import RouterMetrics
@@ -21,6 +23,7 @@ from router.requests import RequestRunner
 from router.routing_metrics import RoutingMetrics
 from router.routing_policy import RoutingPolicy
 from router.service import GenerationServicer
+from router.tls_reload import CertificateFiles
 from router.worker_pool import WorkerPool
 from router.worker_selector import WorkerSelector
 
@@ -41,6 +44,7 @@ class RouterServer:
                                                                             config.routing_weights),
                                        self.admission, config.skip_prefill_tokens, self.routing_metrics)
         self.pipeline = GenerationPipeline(config, self.selector)
+        self.keys = ApiKeys(config.security.api_key_file)
         self._redis = None
         self._feeds: KvFeeds | None = None
         self._registry = None
@@ -50,6 +54,8 @@ class RouterServer:
         self.http_port: int | None = None
         self._http = None
         self._metrics_server = None
+        self._certs: CertificateFiles | None = None
+        self._cert_watch: asyncio.Task | None = None
 
     async def start(self, wait_for_workers_s: float = 0.0) -> str:
         config = self.config
@@ -58,7 +64,8 @@ class RouterServer:
             config.model, config.max_model_len, config.max_n, config.max_prompt_chars))
         if config.redis_url:
             from pdserve import redis_client
-            self._redis = redis_client.connect(config.redis_url, timeout_s=5)
+            self._redis = redis_client.connect(config.redis_url, timeout_s=5,
+                                               password_file=config.redis_password_file)
         self._feeds = KvFeeds(self.index, self._redis)
         self.pool.on_add.append(self._feeds.start)
         self.pool.on_remove.append(self._feeds.stop)
@@ -71,17 +78,27 @@ class RouterServer:
             await self.pool.wait_healthy(wait_for_workers_s)
         self.runner = RequestRunner(builder, self.pipeline, self.metrics)
         self._server = new_server(max_receive_bytes=config.max_request_bytes)
-        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.runner), self._server)
+        generate_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.runner, self.keys, config.route_metadata), self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
-        port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        warn_if_exposed(config.host, config.security, self.keys)
+        bind = f"{config.host}:{config.port}"
+        if config.security.tls:
+            self._certs = CertificateFiles(config.security.tls_cert_file, config.security.tls_key_file)
+            port = self._server.add_secure_port(bind, self._certs.grpc_credentials())
+        else:
+            port = self._server.add_insecure_port(bind)
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = f"{config.host}:{port}"
         await self._server.start()
         if config.http_port is not None:
-            self._http = HttpServer(create_app(self.runner, config.model, config.max_request_bytes),
-                                    config.host, config.http_port)
+            self._http = HttpServer(create_app(self.runner, config.model, config.max_request_bytes, self.keys),
+                                    config.host, config.http_port, config.security.tls_cert_file,
+                                    config.security.tls_key_file)
             self.http_port = await self._http.start()
+            if self._certs is not None:
+                self._cert_watch = asyncio.create_task(self._certs.watch_http(self._http.ssl_context))
         if config.metrics_port is not None:
             self._metrics_server = self.metrics.serve(config.host, config.metrics_port)
         await set_serving(self._health, [SERVICE], True)
@@ -96,6 +113,8 @@ class RouterServer:
             await asyncio.sleep(0.05)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._cert_watch is not None:
+            self._cert_watch.cancel()
         if self._http is not None:
             await self._http.stop(grace_s)
         if self._server is not None:
@@ -118,7 +137,9 @@ def run_router(config: RouterConfig) -> int:
     router = RouterServer(config)
 
     def ready_line(address: str) -> str:
-        http = f" (OpenAI API at http://{config.host}:{router.http_port}/v1)" if router.http_port is not None else ""
+        scheme = "https" if config.security.tls else "http"
+        http = (f" (OpenAI API at {scheme}://{config.host}:{router.http_port}/v1)"
+                if router.http_port is not None else "")
         return f"ready: router at {address}{http}"
 
     return run_until_signalled(router, ready_line)

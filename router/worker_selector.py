@@ -59,8 +59,8 @@ class WorkerSelector:
                 return w.stats.block_size
         return DEFAULT_BLOCK_SIZE
 
-    def block_hashes(self, prompt: list[int]) -> list[int]:
-        return hash_full_blocks(prompt, self.block_size)
+    def block_hashes(self, prompt: list[int], cache_salt: str = "") -> list[int]:
+        return hash_full_blocks(prompt, self.block_size, salt=cache_salt)
 
     async def route(self, prompt: list[int], block_hashes: list[int]) -> Route:
         """Admit the sample and reserve its decode worker; raises AdmissionRejected, or

@@ -9,18 +9,22 @@ import redis
 
 
 class RedisServer:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
         self.binary = binary
         self.port = port
         self.url = f"redis://127.0.0.1:{port}/0"
+        self.password = password
+        """With it the server runs with `requirepass` (the URL stays without it)."""
         self.popen: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
         self.popen = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                       "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                       "--appendonly", "no",
+                                       *(["--requirepass", self.password] if self.password else [])],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -45,4 +49,4 @@ class RedisServer:
                 self.popen.wait(10)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, password=self.password)

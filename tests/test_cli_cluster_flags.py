@@ -20,6 +20,12 @@ CASES = [
     (["router", "--overlap-weight", "-2"], "routing weights must be >= 0"),
     (["router", "--queue-timeout-s", "0"], "queue_timeout_s must be > 0"),
     (["router", "--routing-policy", "fastest"], "invalid choice: 'fastest'"),
+    (["router", "--tls-cert-file", "/dev/null"], "give both tls_cert_file and tls_key_file"),
+    (["router", "--api-key-file", "/nonexistent/keys"], "api_key_file: cannot read"),
+    (["serve", "--api-key-file", "/dev/null"], "holds no API key"),
+    (["router", "--redis-password-file", "/nonexistent/pw"], "redis_password_file: cannot read"),
+    (["decode-worker", "--redis-password-file", "/nonexistent/pw"], "redis_password_file: cannot read"),
+    (["loadtest", "--url", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], "tls_ca_file: cannot read"),
 ]
 
 

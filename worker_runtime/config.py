@@ -1,6 +1,7 @@
 """Configuration of one worker process (prefill or decode role)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -38,6 +39,8 @@ class WorkerConfig:
     sharing it discover this worker; without it routers are given the address."""
     registry_ttl_s: float = 3.0
     """Lifetime of the registration; renewed every third of it."""
+    redis_password_file: str | None = None
+    """Redis password, read from this file (else $REDIS_PASSWORD, else the one in redis_url)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -55,5 +58,7 @@ class WorkerConfig:
             raise ValueError("max_num_requests must be >= 1")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.redis_password_file is not None and not os.access(self.redis_password_file, os.R_OK):
+            raise ValueError(f"redis_password_file: cannot read {self.redis_password_file!r}")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0")

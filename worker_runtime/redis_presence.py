@@ -23,12 +23,13 @@ STREAM_MAXLEN = 100_000
 
 
 class RedisPresence:
-    def __init__(self, url: str, address: str, role: str, log: KvEventLog, ttl_s: float) -> None:
+    def __init__(self, url: str, address: str, role: str, log: KvEventLog, ttl_s: float,
+                 password_file: str | None = None) -> None:
         self.address = address
         self.role = role
         self.log = log
         self.ttl_s = ttl_s
-        self.redis = redis_client.connect(url, timeout_s=max(1.0, ttl_s / 3))
+        self.redis = redis_client.connect(url, timeout_s=max(1.0, ttl_s / 3), password_file=password_file)
         self._tasks: list[asyncio.Task] = []
         self._redis_ok = True
 

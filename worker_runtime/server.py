@@ -78,7 +78,7 @@ class WorkerServer:
         if config.redis_url:
             from worker_runtime.redis_presence import RedisPresence
             self._presence = RedisPresence(config.redis_url, self.address, config.role, kv_events,
-                                           config.registry_ttl_s)
+                                           config.registry_ttl_s, config.redis_password_file)
             await self._presence.start()
         logger.info("%s worker serving at %s (kv_transfer %s, metrics port %s)", config.role, self.address,
                     self._servicer.backend, self.metrics_port)

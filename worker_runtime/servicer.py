@@ -46,7 +46,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await _abort_with(context, InvalidParameter("lease_s", "must be a finite number >= 0"))
             lease_s = min(lease_s or self.config.lease_s, self.config.lease_s)  # the worker's --lease-s caps it
             try:
-                result = await self.loop.prefill(rid, list(request.prompt_token_ids), params, lease_s)
+                result = await self.loop.prefill(rid, list(request.prompt_token_ids), params, lease_s,
+                                                 cache_salt=request.cache_salt)
             except asyncio.CancelledError:
                 self.loop.abort(rid)
                 raise
@@ -79,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             items: asyncio.Queue = asyncio.Queue()
             prompt = list(request.prompt_token_ids)
             try:
-                await self.loop.decode(rid, prompt, params, source, items.put_nowait)
+                await self.loop.decode(rid, prompt, params, source, items.put_nowait, cache_salt=request.cache_salt)
             except (InvalidParameter, WorkerError) as exc:
                 await _abort_with(context, exc)
             num_tokens = 1 if source is not None else 0

@@ -2,6 +2,8 @@
 
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events
 ending in `data: [DONE]` with "stream": true), GET /v1/models, GET /health.
+With API keys configured every route but /health needs `Authorization: Bearer KEY`
+(router/openai/auth.py); the key's tenant salts the request's prefix-cache blocks.
 A streamed response's status and headers wait for the first token, so a request
 refused by the pipeline (overload, draining, no worker) still gets its HTTP
 status. A client that disconnects, before or during the stream, aborts the
@@ -19,7 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sampling_params import InvalidParameter
 from pdserve.client import collect_samples
+from router.auth import ApiKeys
 from router.openai import errors
+from router.openai.auth import ApiKeyAuth, tenant_of
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.responses import ChatCompletions, Completions, SseStream, sse
 from router.requests import RequestFailed, RequestRunner
@@ -31,9 +35,11 @@ class ClientDisconnected(Exception):
     pass
 
 
-def create_app(runner: RequestRunner, model_name: str, max_body_bytes: int = 4 << 20) -> FastAPI:
+def create_app(runner: RequestRunner, model_name: str, max_body_bytes: int = 4 << 20,
+               keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(ApiKeyAuth, keys=keys or ApiKeys(env={}))  # the outer one: no body read before a key
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -70,7 +76,8 @@ def create_app(runner: RequestRunner, model_name: str, max_body_bytes: int = 4 <
         except InvalidParameter as exc:
             return errors.invalid(exc.field, str(exc))
         want_logprobs = msg.params.HasField("logprobs")
-        responses = runner.generate(msg, max_tokens_to_context=body.default_max_tokens is None)
+        responses = runner.generate(msg, max_tokens_to_context=body.default_max_tokens is None,
+                                    tenant=tenant_of(request.scope))
         try:
             if not body.stream:
                 samples = await _until_disconnected(request, collect_samples(responses))

@@ -47,6 +47,8 @@ class _GenerationBody(BaseModel):
     min_tokens: Int32 | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Int64] | None = None
+    cache_salt: str | None = None
+    """vLLM's extra field: prefix-cache blocks are shared only between requests with the same salt."""
 
     def to_generate_request(self, request_id: str) -> generate_pb2.GenerateRequest:
         """The GenerateRequest the gRPC front would receive; raises InvalidParameter (OpenAI names)."""
@@ -63,7 +65,7 @@ class _GenerationBody(BaseModel):
             params.max_tokens = self.requested_max_tokens
         if self.num_logprobs is not None:
             params.logprobs = self.num_logprobs
-        msg = generate_pb2.GenerateRequest(request_id=request_id, params=params)
+        msg = generate_pb2.GenerateRequest(request_id=request_id, params=params, cache_salt=self.cache_salt or "")
         self.set_input(msg)
         return msg
 

@@ -15,10 +15,14 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int) -> None:
+    def __init__(self, app, host: str, port: int, tls_cert_file: str | None = None,
+                 tls_key_file: str | None = None) -> None:
         self.app = app
         self.host = host
         self.port = port
+        self.tls_cert_file = tls_cert_file
+        """With tls_key_file: serve HTTPS only (uvicorn's TLS on the same socket)."""
+        self.tls_key_file = tls_key_file
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -27,7 +31,8 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.create_server((self.host, self.port), family=family)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                                ssl_certfile=self.tls_cert_file, ssl_keyfile=self.tls_key_file)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -36,6 +41,11 @@ class HttpServer:
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
         return self.port
+
+    @property
+    def ssl_context(self):
+        """The TLS context serving new connections (None without TLS)."""
+        return self._server.config.ssl if self._server is not None else None
 
     async def stop(self, grace_s: float) -> None:
         """Close the listener; open responses get `grace_s`, then their tasks are cancelled."""

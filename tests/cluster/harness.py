@@ -70,8 +70,10 @@ def start_worker(role: str, *extra: str) -> Proc:
     return start(f"{role}-worker", [f"{role}-worker", *WORKER_FLAGS, *extra])
 
 
-def start_router(prefill: list[Proc], decode: list[Proc], *extra: str) -> Proc:
+def start_router(prefill: list[Proc], decode: list[Proc], *extra: str, route_metadata: bool = True) -> Proc:
+    """A router over the workers; with `route_metadata` tests can see where samples went (`generate_routed`)."""
     return start("router", ["router", "--port", "0", "--health-interval-s", "0.5",
+                            *(["--route-metadata"] if route_metadata else []),
                             "--prefill-workers", ",".join(p.address for p in prefill),
                             "--decode-workers", ",".join(d.address for d in decode), *extra])
 

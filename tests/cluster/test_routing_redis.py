@@ -40,7 +40,8 @@ def cluster(smollm2_dir):
         for name in ("a", "b"):
             port = free_port()
             router = start(f"router-{name}", ["router", "--port", "0", "--health-interval-s", "0.5",
-                                              "--skip-prefill-tokens", "0", "--metrics-port", str(port), *registry])
+                                              "--skip-prefill-tokens", "0", "--metrics-port", str(port),
+                                              "--route-metadata", *registry])
             router.metrics_url = f"http://127.0.0.1:{port}/metrics"
             routers.append(router)
             procs.append(router)

@@ -217,3 +217,20 @@ def test_prefix_cache_events_follow_store_evict_and_clear():
     kv.pool.events.clear()
     assert kv.pool.reset_prefix_cache()
     assert kv.pool.events == [AllCleared()] and kv.pool.cached_hashes() == []
+
+
+def test_a_cache_salt_changes_every_hash_and_only_the_same_salt_hits():
+    tokens = list(range(10))
+    plain, a, b = (hash_full_blocks(tokens, BS, salt=s) for s in ("", "tenant-a", "tenant-b"))
+    assert plain == hash_full_blocks(tokens, BS)  # the empty salt is no salt
+    assert not set(plain) & set(a) and not set(a) & set(b) and not set(plain) & set(b)
+    assert a == hash_full_blocks(tokens, BS, salt="tenant-a")
+    assert hash_full_blocks(tokens + [10, 11], BS, known=a, salt="tenant-a") == hash_full_blocks(
+        tokens + [10, 11], BS, salt="tenant-a")
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    kv.allocate_slots("a", 0, 10)
+    kv.cache_computed_blocks("a", tokens, 10, salt="tenant-a")
+    kv.free("a")
+    assert kv.find_prefix("b", tokens, salt="tenant-b").block_ids == []
+    assert kv.find_prefix("plain", tokens).block_ids == []
+    assert kv.find_prefix("a2", tokens, salt="tenant-a").block_ids == [0, 1]

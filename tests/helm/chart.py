@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +18,9 @@ CASES = {
     "raycluster": ["raycluster-values.yaml"],
     "external-redis": ["external-redis-values.yaml"],
     "monitoring": ["monitoring-values.yaml"],
+    "security": ["security-values.yaml"],
 }
+GENERATED_PASSWORD = re.compile(r"^(  redis-password: ).+$", re.MULTILINE)
 
 
 def find_helm() -> str:
@@ -37,12 +40,13 @@ def values_args(case: str, chart: Path = CHART) -> list[str]:
     return [arg for name in CASES[case] for arg in ("-f", str(chart / "ci" / name))]
 
 
-def template(*args: str, chart: Path = CHART) -> str:
-    """`helm template` output; raises with helm's message on failure."""
+def template(*args: str, chart: Path = CHART, raw: bool = False) -> str:
+    """`helm template` output; raises with helm's message on failure. Unless `raw`, the bundled
+    Redis's generated password (random at every render) reads GENERATED, so renders compare."""
     done = helm("template", "pdserve", str(chart), "--namespace", "llm", "--kube-version", KUBE_VERSION, *args)
     if done.returncode != 0:
         raise ValueError(done.stderr.strip())
-    return done.stdout
+    return done.stdout if raw else GENERATED_PASSWORD.sub(r"\1R0VORVJBVEVE", done.stdout)
 
 
 def objects(rendered: str) -> list[dict]:

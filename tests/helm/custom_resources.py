@@ -42,6 +42,18 @@ SCHEMAS = {
         "type": "object", "required": ["selector", "podMetricsEndpoints"],
         "properties": {"selector": SELECTOR,
                        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": ENDPOINT}}}),
+    ("cert-manager.io/v1", "Certificate"): _kind({
+        "type": "object", "required": ["secretName", "issuerRef"],
+        "anyOf": [{"required": ["dnsNames"]}, {"required": ["commonName"]}],
+        "properties": {"secretName": {"type": "string", "minLength": 1},
+                       "dnsNames": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                       "issuerRef": {"type": "object", "required": ["name"],
+                                     "properties": {"name": {"type": "string", "minLength": 1},
+                                                    "kind": {"enum": ["Issuer", "ClusterIssuer"]}}},
+                       "usages": {"type": "array", "items": {"type": "string"}},
+                       "privateKey": {"type": "object", "properties": {
+                           "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                           "rotationPolicy": {"enum": ["Never", "Always"]}}}}}),
     ("monitoring.coreos.com/v1", "PrometheusRule"): _kind({
         "type": "object", "required": ["groups"],
         "properties": {"groups": {"type": "array", "minItems": 1, "items": {

@@ -1,6 +1,7 @@
 """The chart lints, renders valid Kubernetes objects for every values case, and matches its goldens."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -56,10 +57,11 @@ def test_rendered_output_matches_golden(case, rendered):
 def test_kinds_per_mode(rendered):
     kinds = {case: sorted({o["kind"] for o in objects(text)}) for case, text in rendered.items()}
     base = ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service", "ServiceAccount"]
-    assert kinds["defaults"] == sorted(base + ["StatefulSet"])
-    assert kinds["raycluster"] == sorted(base + ["HorizontalPodAutoscaler", "RayCluster", "StatefulSet"])
+    assert kinds["defaults"] == sorted(base + ["Secret", "StatefulSet"])  # the generated Redis password
+    assert kinds["raycluster"] == sorted(base + ["HorizontalPodAutoscaler", "RayCluster", "Secret", "StatefulSet"])
     assert kinds["external-redis"] == base
     assert {"ServiceMonitor", "PodMonitor"} <= set(kinds["monitoring"])
+    assert kinds["security"] == sorted(base + ["Certificate", "StatefulSet"])  # existing Secrets: none made
 
 
 def test_raycluster_has_head_and_gpu_worker_groups(rendered):
@@ -101,29 +103,79 @@ def test_pdserve_pods_probe_grpc_health_and_outlive_their_drain(case, rendered):
         container = spec["containers"][0]
         if "pdserve" not in " ".join(container.get("command", []) + container.get("args", [])):
             continue  # Redis, Ray worker pods (their pdserve workers are Ray actors)
-        port = container["ports"][[p["name"] for p in container["ports"]].index("grpc")]["containerPort"]
-        assert container["startupProbe"]["grpc"] == {"port": port, "service": ""}, name
-        assert container["readinessProbe"]["grpc"] == {"port": port, "service": ""}, name
-        assert container["livenessProbe"]["grpc"] == {"port": port, "service": "liveness"}, name
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        port = ports["grpc"]
+        if case == "security" and "router" in name:  # TLS on: the kubelet's gRPC probes speak no TLS
+            health = {"path": "/health", "port": ports["http"], "scheme": "HTTPS"}
+            assert container["startupProbe"]["httpGet"] == container["readinessProbe"]["httpGet"] == health, name
+            assert container["livenessProbe"]["tcpSocket"] == {"port": port}, name
+        else:
+            assert container["startupProbe"]["grpc"] == {"port": port, "service": ""}, name
+            assert container["readinessProbe"]["grpc"] == {"port": port, "service": ""}, name
+            assert container["livenessProbe"]["grpc"] == {"port": port, "service": "liveness"}, name
         args = container["args"] if container["command"] == ["pdserve"] else container["args"][0].split()
         drain = max(float(args[i + 1]) for i, a in enumerate(args) if a.endswith("drain-timeout-s"))
         sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert spec["terminationGracePeriodSeconds"] > sleep + drain, name
 
 
-def test_redis_bundled_or_external_with_password_from_a_secret(rendered):
+def redis_password_refs(objs: list[dict]) -> dict[str, dict]:
+    """Pod/container -> the secretKeyRef of its REDIS_PASSWORD, for containers given a Redis URL."""
+    refs = {}
+    for name, spec in pod_specs(objs):
+        for container in spec["containers"]:
+            env = {e["name"]: e for e in container.get("env", [])}
+            if "PDSERVE_REDIS_URL" in env or "redis-server" in " ".join(container.get("args", [])):
+                refs[f"{name}/{container['name']}"] = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+                assert "REDIS_PASSWORD" not in " ".join(container.get("args", [])).replace('"$REDIS_PASSWORD"', "")
+    return refs
+
+
+def test_redis_bundled_or_external_with_password_from_a_secret_never_on_a_command_line(rendered):
     defaults = objects(rendered["defaults"])
     [redis] = by_kind(defaults, "StatefulSet")
     assert redis["metadata"]["name"] == "pdserve-redis"
+    [secret] = by_kind(defaults, "Secret")
+    assert secret["metadata"]["name"] == "pdserve-redis-auth"
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # survives upgrades
+    refs = redis_password_refs(defaults)
+    assert len(refs) == 4  # router, prefill, decode, redis itself
+    assert all(ref == {"name": "pdserve-redis-auth", "key": "redis-password"} for ref in refs.values()), refs
+    # Redis gets requirepass on stdin; redis-cli (the probe) its password from REDISCLI_AUTH.
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][0].startswith("exec redis-server - ") and 'requirepass "$REDIS_PASSWORD"' in \
+        container["args"][0]
+    assert {e["name"] for e in container["env"]} == {"REDIS_PASSWORD", "REDISCLI_AUTH"}
+
     external = objects(rendered["external-redis"])
     assert not by_kind(external, "StatefulSet")
+    refs = redis_password_refs(external)
+    assert refs and all(ref == {"name": "pdserve-redis", "key": "password"} for ref in refs.values()), refs
     for name, spec in pod_specs(external):
         env = {e["name"]: e for e in spec["containers"][0].get("env", [])}
-        if "PDSERVE_REDIS_URL" not in env:
-            continue
-        assert env["PDSERVE_REDIS_URL"]["value"] == "rediss://:$(REDIS_PASSWORD)@redis.infra.svc:6380/2", name
-        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-redis", "key": "password"}
+        assert env["PDSERVE_REDIS_URL"]["value"] == "rediss://redis.infra.svc:6380/2", name
     assert "password" not in rendered["external-redis"].replace("key: password", "")
+    security = redis_password_refs(objects(rendered["security"]))
+    assert all(ref == {"name": "pdserve-redis-password", "key": "password"} for ref in security.values())
+
+
+def test_the_generated_redis_password_is_random_per_install():
+    first, second = (by_kind(objects(template(raw=True)), "Secret")[0]["data"]["redis-password"] for _ in range(2))
+    assert first != second
+    assert len(base64.b64decode(first)) == 32
+
+
+def test_the_ray_workers_get_the_redis_password_and_the_dashboard_stays_local(rendered):
+    objs = objects(rendered["raycluster"])
+    refs = redis_password_refs(objs)
+    assert sorted(refs) == ["Deployment/pdserve-router/router", "RayCluster/pdserve/decode/ray-worker",
+                            "RayCluster/pdserve/head/ray-head", "RayCluster/pdserve/prefill/ray-worker",
+                            "StatefulSet/pdserve-redis/redis"]
+    [ray] = by_kind(objs, "RayCluster")
+    head = ray["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    assert 8265 not in [p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]]
+
 
 
 def test_model_from_a_pvc_or_an_init_container(rendered):
@@ -210,3 +262,152 @@ def test_schema_rejects_bad_values_with_a_clear_message(setting, message):
 def test_external_redis_url_with_a_password_is_refused():
     with pytest.raises(ValueError, match="at '/redis/external/url'"):
         template("--set", "redis.mode=external", "--set", "redis.external.url=redis://:hunter2@redis:6379/0")
+
+
+# ---- security (issue 20) -----------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_pods_run_as_non_root_read_only_with_no_capabilities_but_ipc_lock(case, rendered):
+    for name, spec in pod_specs(objects(rendered[case])):
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            where = f"{name}/{container['name']}"
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert set(sc["capabilities"].get("add", [])) <= {"IPC_LOCK"}, where
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            assert mounts.get("/tmp") == "tmp", where  # somewhere writable
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}, name
+        if "dshm" in volumes:
+            assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}, name
+
+
+def test_workers_add_ipc_lock_only_when_asked(rendered):
+    objs = objects(template("--set", "kvTransfer.ipcLock=false"))
+    for name, spec in pod_specs(objs):
+        assert "add" not in spec["containers"][0]["securityContext"]["capabilities"], name
+    workers = [s for n, s in pod_specs(objects(rendered["defaults"])) if "prefill" in n or "decode" in n]
+    assert [s["containers"][0]["securityContext"]["capabilities"] for s in workers] == [
+        {"drop": ["ALL"], "add": ["IPC_LOCK"]}] * 2
+
+
+def policies(text: str) -> dict[str, dict]:
+    return {o["metadata"]["name"].removeprefix("pdserve-"): o["spec"] for o in by_kind(objects(text), "NetworkPolicy")}
+
+
+def components(peer: dict) -> list[str]:
+    [expression] = peer["podSelector"]["matchExpressions"]
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "pdserve",
+                                                 "app.kubernetes.io/instance": "pdserve"}
+    return expression["values"]
+
+
+DNS = {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+MONITORING = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_network_policies_per_role_with_egress(rendered):
+    p = policies(rendered["defaults"])
+    assert sorted(p) == ["redis", "router", "workers"]
+    assert all(spec["policyTypes"] == ["Ingress", "Egress"] for spec in p.values())
+    router, workers, redis = p["router"], p["workers"], p["redis"]
+    # router: clients on grpc/http, metrics from monitoring; out: workers' gRPC, Redis, DNS only.
+    assert router["ingress"] == [{"ports": [{"port": "grpc"}, {"port": "http"}]},
+                                 {"ports": [{"port": "metrics"}], "from": MONITORING}]
+    [to_workers, to_redis, dns] = router["egress"]
+    assert [components(peer) for peer in to_workers["to"]] == [["prefill", "decode"]]
+    assert to_workers["ports"] == [{"port": "grpc"}]
+    assert [components(peer) for peer in to_redis["to"]] == [["redis"]] and to_redis["ports"] == [{"port": 6379}]
+    assert dns == DNS
+    # workers: gRPC from routers, KV from workers, metrics from monitoring; out: KV to workers, Redis, DNS.
+    assert workers["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    grpc_in, kv_in, metrics_in = workers["ingress"]
+    assert grpc_in["ports"] == [{"port": "grpc"}] and [components(x) for x in grpc_in["from"]] == [["router"]]
+    assert kv_in["ports"] == [{"port": "kv-transfer"}]
+    assert [components(x) for x in kv_in["from"]] == [["prefill", "decode"]]
+    assert metrics_in == {"ports": [{"port": "metrics"}], "from": MONITORING}
+    kv_out, redis_out, dns = workers["egress"]
+    assert kv_out["ports"] == [{"port": "kv-transfer"}] and [components(x) for x in kv_out["to"]] == [
+        ["prefill", "decode"]]
+    assert redis_out == to_redis and dns == DNS
+    # Redis: the release's pods on its port; nothing out.
+    assert redis["egress"] == []
+    [redis_in] = redis["ingress"]
+    assert redis_in["ports"] == [{"port": "redis"}]
+    assert [components(x) for x in redis_in["from"]] == [["router", "ray-head", "prefill", "decode"]]
+
+
+def test_network_policy_options(rendered):
+    security = policies(rendered["security"])
+    assert security["workers"]["ingress"][1]["ports"] == [{"port": "kv-transfer"},
+                                                          {"port": 20000, "endPort": 20100, "protocol": "TCP"}]
+    assert security["router"]["ingress"][0]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]
+    external = policies(rendered["external-redis"])
+    assert "redis" not in external
+    redis_out = external["router"]["egress"][1]
+    assert redis_out == {"ports": [{"port": 6380}],
+                         "to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "infra"}}}]}
+    assert external["workers"]["egress"][-1] == {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+                                                 "ports": [{"port": 443}]}
+    ray = policies(rendered["raycluster"])
+    assert [components(x) for x in ray["workers"]["ingress"][0]["from"]] == [["ray-head", "prefill", "decode",
+                                                                              "router"]]
+    assert "ports" not in ray["router"]["egress"][0]  # serve picks the workers' ports
+
+
+def test_tls_and_api_keys_reach_the_routers(rendered):
+    objs = objects(rendered["security"])
+    [certificate] = by_kind(objs, "Certificate")
+    assert certificate["spec"]["secretName"] == "pdserve-router-tls"
+    assert certificate["spec"]["issuerRef"] == {"name": "internal-ca", "kind": "ClusterIssuer",
+                                                "group": "cert-manager.io"}
+    assert {"pdserve-router.llm.svc", "llm.example.com"} <= set(certificate["spec"]["dnsNames"])
+    [router] = [s for n, s in pod_specs(objs) if "router" in n]
+    container = router["containers"][0]
+    args = container["args"]
+    flags = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v.get("secret") for v in router["volumes"]}
+    assert flags["--tls-cert-file"] == mounts["router-tls"] + "/tls.crt"
+    assert flags["--tls-key-file"] == mounts["router-tls"] + "/tls.key"
+    assert volumes["router-tls"]["secretName"] == "pdserve-router-tls"
+    assert flags["--api-key-file"] == mounts["api-keys"] + "/api-keys"
+    assert volumes["api-keys"]["secretName"] == "pdserve-api-keys"
+    assert not [n for n, s in pod_specs(objects(rendered["defaults"])) for c in s["containers"]
+                if "--tls-cert-file" in c.get("args", []) or "--api-key-file" in c.get("args", [])]
+
+
+def test_tls_from_an_existing_secret_and_in_raycluster_mode():
+    objs = objects(template(*values_args("raycluster"), *values_args("security"),
+                            "--set", "tls.existingSecret=my-router-cert"))
+    assert not by_kind(objs, "Certificate")
+    [ray] = by_kind(objs, "RayCluster")
+    head = ray["spec"]["headGroupSpec"]["template"]["spec"]
+    assert "--tls-cert-file /etc/pdserve/tls/tls.crt" in head["containers"][0]["args"][0]
+    assert "--api-key-file /etc/pdserve/auth/api-keys" in head["containers"][0]["args"][0]
+    assert {v["name"]: v.get("secret", {}).get("secretName") for v in head["volumes"]}["router-tls"] == \
+        "my-router-cert"
+    assert head["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    for obj in objs:
+        if (obj["apiVersion"], obj["kind"]) not in SCHEMAS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+SECURITY_BAD_VALUES = [
+    ("tls.enabled=true", "at '/tls/certManager/issuerRef/name': minLength: got 0, want 1"),
+    ("tls.certManager.issuerRef.kind=Vault", "at '/tls/certManager/issuerRef/kind': value must be one of"),
+    ("shm.sizeLimit=lots", "at '/shm/sizeLimit'"),
+    ("auth.secretKey=a/b", "at '/auth/secretKey'"),
+    ("networkPolicy.kvExtraPorts[0].protocol=TCP", "at '/networkPolicy/kvExtraPorts/0': missing property 'port'"),
+]
+
+
+@pytest.mark.parametrize("setting,message", SECURITY_BAD_VALUES, ids=[s for s, _ in SECURITY_BAD_VALUES])
+def test_schema_rejects_bad_security_values(setting, message):
+    with pytest.raises(ValueError) as refused:
+        template("--set", setting)
+    assert message in str(refused.value)

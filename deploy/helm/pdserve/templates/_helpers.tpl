@@ -56,22 +56,102 @@ default
 {{ include "pdserve.fullname" . }}-redis
 {{- end -}}
 
-{{/* Env entries giving $(PDSERVE_REDIS_URL), with the password from its Secret (never in values). */}}
+{{/* The Secret (name, key) holding the bundled Redis's password: the named one or the generated one. */}}
+{{- define "pdserve.redisPasswordSecretName" -}}
+{{- .Values.redis.bundled.passwordSecret.name | default (printf "%s-redis-auth" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* Env entries giving $(PDSERVE_REDIS_URL) and REDIS_PASSWORD, which pdserve reads from its
+     environment: the password comes from its Secret and never reaches a command line. */}}
 {{- define "pdserve.redisEnv" -}}
 {{- if eq .Values.redis.mode "bundled" -}}
 - name: PDSERVE_REDIS_URL
   value: redis://{{ include "pdserve.redisHost" . }}:6379/0
-{{- else if .Values.redis.external.passwordSecret.name -}}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.external.passwordSecret.name }}
-      key: {{ .Values.redis.external.passwordSecret.key }}
-- name: PDSERVE_REDIS_URL
-  value: {{ regexReplaceAll "^(rediss?://)" .Values.redis.external.url "${1}:$(REDIS_PASSWORD)@" | quote }}
+      name: {{ include "pdserve.redisPasswordSecretName" . }}
+      key: {{ .Values.redis.bundled.passwordSecret.key }}
 {{- else -}}
 - name: PDSERVE_REDIS_URL
   value: {{ .Values.redis.external.url | quote }}
+{{- with .Values.redis.external.passwordSecret.name }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.redis.external.passwordSecret.key }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* With a read-only root filesystem: caches and Ray's session files go to the /tmp emptyDir. */}}
+{{- define "pdserve.writableEnv" -}}
+- name: HOME
+  value: /tmp
+{{- end -}}
+
+{{- define "pdserve.tmpVolume" -}}
+- name: tmp
+  emptyDir: {}
+{{- end -}}
+
+{{- define "pdserve.tmpMount" -}}
+- {name: tmp, mountPath: /tmp}
+{{- end -}}
+
+{{/* The shm emptyDir of worker pods, bounded by shm.sizeLimit. */}}
+{{- define "pdserve.shmVolume" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    {{- with .Values.shm.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end -}}
+
+{{/* Router flags, volumes and mounts of the public fronts' TLS and API keys. */}}
+{{- define "pdserve.tlsSecretName" -}}
+{{- .Values.tls.existingSecret | default (printf "%s-router-tls" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "pdserve.frontArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert-file
+- /etc/pdserve/tls/tls.crt
+- --tls-key-file
+- /etc/pdserve/tls/tls.key
+{{- end }}
+{{- if .Values.auth.existingSecret }}
+- --api-key-file
+- /etc/pdserve/auth/{{ .Values.auth.secretKey }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.frontVolumes" -}}
+{{- if .Values.tls.enabled }}
+- name: router-tls
+  secret:
+    secretName: {{ include "pdserve.tlsSecretName" . }}
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- if .Values.auth.existingSecret }}
+- name: api-keys
+  secret:
+    secretName: {{ .Values.auth.existingSecret }}
+    items:
+      - {key: {{ .Values.auth.secretKey }}, path: {{ .Values.auth.secretKey }}}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.frontMounts" -}}
+{{- if .Values.tls.enabled }}
+- {name: router-tls, mountPath: /etc/pdserve/tls, readOnly: true}
+{{- end }}
+{{- if .Values.auth.existingSecret }}
+- {name: api-keys, mountPath: /etc/pdserve/auth, readOnly: true}
 {{- end }}
 {{- end -}}
 
@@ -103,6 +183,29 @@ lifecycle:
   preStop:
     sleep:
       seconds: {{ .Values.shutdown.preStopSleepSeconds }}
+{{- end -}}
+
+{{/* Probes of a router (or the Ray head, which runs one): gRPC ones, or with TLS on (the
+     kubelet's gRPC probes speak no TLS) HTTPS /health for startup and readiness and a TCP
+     connect for liveness; pass (dict "root" $ "port" N "httpPort" H). */}}
+{{- define "pdserve.frontProbes" -}}
+{{- $p := .root.Values.probes -}}
+{{- if .root.Values.tls.enabled -}}
+startupProbe:
+  httpGet: {path: /health, port: {{ .httpPort }}, scheme: HTTPS}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.startupFailureThreshold }}
+livenessProbe:
+  tcpSocket: {port: {{ .port }}}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.livenessFailureThreshold }}
+readinessProbe:
+  httpGet: {path: /health, port: {{ .httpPort }}, scheme: HTTPS}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.readinessFailureThreshold }}
+{{- else -}}
+{{ include "pdserve.probes" . }}
+{{- end -}}
 {{- end -}}
 
 {{/* gRPC probes on grpc.health.v1; pass (dict "root" $ "port" N). */}}
@@ -162,6 +265,10 @@ initContainers:
     volumeMounts:
       - name: model
         mountPath: {{ .Values.model.mountPath }}
+      {{- include "pdserve.tmpMount" . | nindent 6 }}
+    {{- with .Values.securityContext }}
+    securityContext: {{- toYaml . | nindent 6 }}
+    {{- end }}
     {{- with .Values.model.initContainer.resources }}
     resources: {{- toYaml . | nindent 6 }}
     {{- end }}
@@ -194,7 +301,9 @@ securityContext: {{- toYaml . | nindent 2 }}
 {{- define "pdserve.workerSecurityContext" -}}
 {{- $sc := deepCopy .Values.securityContext -}}
 {{- if .Values.kvTransfer.ipcLock -}}
-{{- $_ := set $sc "capabilities" (dict "add" (list "IPC_LOCK")) -}}
+{{- $caps := deepCopy ($sc.capabilities | default dict) -}}
+{{- $_ := set $caps "add" (append ($caps.add | default list) "IPC_LOCK" | uniq) -}}
+{{- $_ := set $sc "capabilities" $caps -}}
 {{- end -}}
 {{- with $sc -}}
 securityContext: {{- toYaml . | nindent 2 }}
@@ -248,4 +357,56 @@ affinity: {{- toYaml . | nindent 2 }}
 {{- range $w.extraArgs }}
 - {{ . | quote }}
 {{- end }}
+{{- end -}}
+
+{{/* NetworkPolicy peers: this release's pods of the given components; pass (dict "root" $ "components" list). */}}
+{{- define "pdserve.peers" -}}
+- podSelector: {{- include "pdserve.componentsSelector" . | nindent 4 }}
+{{- end -}}
+
+{{- define "pdserve.componentsSelector" -}}
+matchLabels:
+  app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+  app.kubernetes.io/instance: {{ .root.Release.Name }}
+matchExpressions:
+  - {key: app.kubernetes.io/component, operator: In, values: [{{ join ", " .components }}]}
+{{- end -}}
+
+{{/* The ports workers use between them: the KV transfer listener (+ networkPolicy.kvExtraPorts). */}}
+{{- define "pdserve.kvPorts" -}}
+- {port: kv-transfer}
+{{- with .Values.networkPolicy.kvExtraPorts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Egress every pdserve pod needs: Redis, DNS, and networkPolicy.extraEgress. */}}
+{{- define "pdserve.commonEgress" -}}
+{{- if eq .Values.redis.mode "bundled" -}}
+- to: {{- include "pdserve.peers" (dict "root" . "components" (list "redis")) | nindent 4 }}
+  ports:
+    - {port: 6379}
+{{- else -}}
+- ports:
+    - {port: {{ include "pdserve.externalRedisPort" . }}}
+  {{- with .Values.networkPolicy.externalRedisPeers }}
+  to: {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+- ports:
+    - {port: 53, protocol: UDP}
+    - {port: 53, protocol: TCP}
+{{- with .Values.networkPolicy.extraEgress }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The port of redis.external.url (6379 when it names none). */}}
+{{- define "pdserve.externalRedisPort" -}}
+{{- $hostport := regexReplaceAll "^rediss?://([^/]*).*$" .Values.redis.external.url "${1}" -}}
+{{- if regexMatch ":[0-9]+$" $hostport -}}
+{{- regexFind "[0-9]+$" $hostport -}}
+{{- else -}}
+6379
+{{- end -}}
 {{- end -}}
