@@ -114,9 +114,11 @@ def _sender_main(conn, backend: str, layout_dict: dict, num_blocks: int) -> None
         if msg is None:
             break
         held = [t for t in held if not t.state.is_terminal]
+        caps = {}
         for tid, ids in msg:
             held.append(sender.expect(tid, ids, 600))
-        conn.send(len(held))
+            caps[tid] = held[-1].capability
+        conn.send(caps)
     sender.close()
     conn.send(sender.stats())
 
@@ -205,11 +207,11 @@ def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], po
             plan = [(f"{backend}-{label}-{i}", rng.choice(pool_blocks, n, replace=False).tolist(),
                      rng.choice(pool_blocks, n, replace=False).tolist()) for i in range(reps + 2)]
             conn.send([(tid, remote) for tid, remote, _ in plan])
-            _recv(conn, proc)
+            caps = _recv(conn, proc)
             times = []
             for i, (tid, remote, local) in enumerate(plan):
                 t0 = time.perf_counter()
-                t = recv.read(info, tid, remote, local, timeout_s=PULL_TIMEOUT_S)
+                t = recv.read(info, tid, remote, local, timeout_s=PULL_TIMEOUT_S, capability=caps[tid])
                 state = t.wait(PULL_TIMEOUT_S + 5)
                 dt = time.perf_counter() - t0
                 if state != TransferState.DONE:

@@ -57,6 +57,14 @@ def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:
     if standalone:
         p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
         add_registry_args(p)
+        add_cluster_secret_arg(p)
+
+
+def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret-file", default=None,
+                   help="file holding the secret shared by the router and workers: authenticates worker gRPC, "
+                        "KV transfers and KV handles (or env PDSERVE_CLUSTER_SECRET_FILE / PDSERVE_CLUSTER_SECRET; "
+                        "none: internal links unauthenticated). `serve` generates one when none is given")
 
 
 def add_registry_args(p: argparse.ArgumentParser) -> None:
@@ -69,6 +77,7 @@ def add_registry_args(p: argparse.ArgumentParser) -> None:
 def worker_config_from_args(args: argparse.Namespace, role: str, standalone: bool = True):
     """WorkerConfig from the worker flags; `serve` (not standalone) picks hosts and ports itself."""
     from kv_transfer import KVTransferConfig
+    from pdserve.cluster_auth import ClusterAuthConfig
     from worker_runtime.config import WorkerConfig
     host = args.host if standalone else "127.0.0.1"
     advertise = args.advertise_host if standalone else None
@@ -79,7 +88,8 @@ def worker_config_from_args(args: argparse.Namespace, role: str, standalone: boo
                         kv_transfer=kv, lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                         max_num_requests=args.max_num_requests, num_threads=args.num_threads,
                         drain_timeout_s=args.drain_timeout_s, redis_url=args.redis_url,
-                        registry_ttl_s=args.registry_ttl_s, metrics_port=args.metrics_port if standalone else None)
+                        registry_ttl_s=args.registry_ttl_s, metrics_port=args.metrics_port if standalone else None,
+                        auth=ClusterAuthConfig(args.cluster_secret_file))
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -118,9 +128,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="largest gRPC request message / HTTP request body the router reads")
     add_registry_args(p)
+    add_cluster_secret_arg(p)
 
 
 def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode: list[str]):
+    from pdserve.cluster_auth import ClusterAuthConfig
     from router.config import RouterConfig
     from router.routing_policy import RoutingWeights
     return RouterConfig(model=args.model, host=args.host, port=args.port, prefill_workers=prefill,
@@ -137,7 +149,8 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         lease_s=args.lease_s,
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         drain_timeout_s=args.router_drain_timeout_s, max_n=args.max_n,
-                        max_prompt_chars=args.max_prompt_chars, max_request_bytes=args.max_request_bytes)
+                        max_prompt_chars=args.max_prompt_chars, max_request_bytes=args.max_request_bytes,
+                        cluster_auth=ClusterAuthConfig(args.cluster_secret_file))
 
 
 def _addresses(text: str) -> list[str]:

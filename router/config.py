@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.cluster_auth import ClusterAuthConfig
 from router.routing_policy import POLICIES as ROUTING_POLICIES
 from router.routing_policy import RoutingWeights
 
@@ -55,6 +56,8 @@ class RouterConfig:
     before any tokenizing. Default: max_model_len * PROMPT_CHARS_PER_TOKEN."""
     max_request_bytes: int = 4 << 20
     """Largest gRPC request message and HTTP request body the router reads."""
+    cluster_auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig)
+    """Where the cluster secret is: tokens on calls to workers, signatures on KV handles."""
 
     def __post_init__(self) -> None:
         for address in [*self.prefill_workers, *self.decode_workers]:

@@ -32,7 +32,9 @@ class RouterServer:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.address = ""
-        self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.health_interval_s)
+        keys = config.cluster_auth.load()
+        self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.health_interval_s,
+                               keys.grpc if keys else None)
         self.metrics = RouterMetrics(self.pool)
         self.index = KvIndex()
         self.admission = AdmissionQueue(config.max_queue_len, config.queue_timeout_s, config.retry_after_s)
@@ -41,6 +43,7 @@ class RouterServer:
                                                                             config.routing_weights),
                                        self.admission, config.skip_prefill_tokens, self.routing_metrics)
         self.pipeline = GenerationPipeline(config, self.selector)
+        self.pipeline.handle_key = keys.handle if keys else None
         self._redis = None
         self._feeds: KvFeeds | None = None
         self._registry = None

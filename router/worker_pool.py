@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.grpc_common import insecure_channel
+from pdserve.cluster_auth.grpc_auth import worker_channel
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from router.routing_policy import PrefillSpeed
 
@@ -69,7 +69,10 @@ class WorkerClient:
 
 
 class WorkerPool:
-    def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0,
+                 grpc_key: bytes | None = None) -> None:
+        self._grpc_key = grpc_key
+        """The cluster's token key: every call to a worker carries a token (None: no cluster secret)."""
         self.workers = [WorkerClient(a, "prefill") for a in prefill] + [WorkerClient(a, "decode") for a in decode]
         self.health_interval_s = health_interval_s
         self.on_change: list[Callable[[], None]] = []
@@ -128,7 +131,7 @@ class WorkerPool:
         return [w for w in self.workers if w.role == role and w.healthy]
 
     def _connect(self, worker: WorkerClient) -> None:
-        worker.channel = insecure_channel(worker.address)
+        worker.channel = worker_channel(worker.address, self._grpc_key)
         worker.stub = worker_pb2_grpc.WorkerStub(worker.channel)
         for callback in self.on_add:
             callback(worker)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from kv_transfer import KVTransferConfig
+from pdserve.cluster_auth import ClusterAuthConfig
 
 ROLES = ("prefill", "decode")
 
@@ -38,6 +39,8 @@ class WorkerConfig:
     sharing it discover this worker; without it routers are given the address."""
     registry_ttl_s: float = 3.0
     """Lifetime of the registration; renewed every third of it."""
+    auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig)
+    """Where the cluster secret is (gRPC tokens, KV handshake, handle signatures); none: unauthenticated."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
