@@ -199,6 +199,9 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
         extras += f", OpenAI API at http://{router_config.host}:{router.http_port}/v1"
     if router_config.metrics_port is not None:
         extras += f", metrics at http://{router_config.host}:{router_config.metrics_port}/metrics"
+    workers = ", ".join([*(f"prefill {a}" for a in router_config.prefill_workers),
+                         *(f"decode {a}" for a in router_config.decode_workers)])
+    print(f"workers: {workers} (internal links authenticated with the cluster secret)", flush=True)
     print(f"ready: pdserve serving at {address} ({config.num_prefill} prefill, {config.num_decode} decode"
           f"{extras})", flush=True)
     while not stop.is_set():

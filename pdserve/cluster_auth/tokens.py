@@ -13,7 +13,7 @@ import secrets
 import time
 
 VERSION = "v1"
-MAX_SKEW_S = 300.0
+MAX_SKEW_S = 60.0
 MAX_TOKEN_CHARS = 256
 
 

@@ -100,3 +100,13 @@ def test_kv_handshake_proofs_and_capabilities():
     assert kv_auth.capability_ok(cap, cap)
     assert not kv_auth.capability_ok(cap, cap[:-1] + "x") and not kv_auth.capability_ok(cap, "")
     assert not kv_auth.capability_ok(cap, None) and not kv_auth.capability_ok("", "")
+
+
+def test_binding_beyond_loopback_without_a_secret_warns(caplog):
+    from pdserve.cluster_auth.secret import warn_if_exposed
+    with caplog.at_level("WARNING", logger="pdserve.cluster_auth.secret"):
+        warn_if_exposed("decode worker gRPC", "127.0.0.1", None)
+        warn_if_exposed("decode worker gRPC", "0.0.0.0", KEYS)
+        assert not caplog.records
+        warn_if_exposed("decode worker gRPC", "0.0.0.0", None)
+    assert "without authentication" in caplog.records[0].getMessage()
