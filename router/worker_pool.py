@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.cluster_auth.grpc_auth import worker_channel
+from pdserve.cluster_auth.grpc_auth import call_with_challenge, worker_channel
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from router.routing_policy import PrefillSpeed
 
@@ -161,8 +161,8 @@ class WorkerPool:
 
     async def _check(self, worker: WorkerClient) -> None:
         try:
-            stats = await worker.stub.GetStats(worker_pb2.StatsRequest(),
-                                               timeout=max(2.0, 2 * self.health_interval_s))
+            stats, proven = await call_with_challenge(worker.stub.GetStats, worker_pb2.StatsRequest(),
+                                                      self._grpc_key, max(2.0, 2 * self.health_interval_s))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.healthy:
                 worker.slow_polls += 1
@@ -171,6 +171,9 @@ class WorkerPool:
             self.mark_failed(worker, f"{exc.code().name}: {exc.details()}")
             return
         worker.slow_polls = 0
+        if not proven:
+            self.mark_failed(worker, "did not prove it holds the cluster secret")
+            return
         if stats.role != worker.role:
             self.mark_failed(worker, f"is a {stats.role} worker, configured as {worker.role}")
             return

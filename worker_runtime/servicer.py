@@ -13,6 +13,7 @@ import grpc
 from decode_worker.decode_loop import DecodeLoop, KVSource
 from engine.sampling_params import InvalidParameter
 from pdserve.cluster_auth import handles
+from pdserve.cluster_auth.grpc_auth import answer_challenge
 from pdserve.protocol import (
     FINISH_REASONS,
     chunk_from_delta,
@@ -34,6 +35,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.backend = backend
         self.draining = False
         self.in_flight = 0
+        self.grpc_key: bytes | None = None
+        """The cluster's token key: GetStats answers a router's challenge with a proof made with it."""
         self.handle_key: bytes | None = None
         """Decode: the cluster's handle key; with it, only router-signed KV handles are accepted."""
 
@@ -119,6 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return generate_pb2.AbortResponse(found=bool(found))
 
     async def GetStats(self, request, context):
+        await answer_challenge(context, self.grpc_key)  # the router checks we hold the cluster secret
         stats = dict(self.loop.stats)
         fields = set(worker_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
         return worker_pb2.WorkerStats(role=self.config.role, kv_transfer_backend=self.backend, draining=self.draining,

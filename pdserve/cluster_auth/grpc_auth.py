@@ -7,6 +7,7 @@ carry no token, and it reveals nothing but SERVING / NOT_SERVING).
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 
 import grpc
@@ -16,6 +17,10 @@ from pdserve.grpc_common import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 METADATA_KEY = "x-pdserve-cluster-token"
+CHALLENGE_KEY = "x-pdserve-worker-challenge"
+"""Router -> worker (GetStats): a fresh nonce the worker must answer under PROOF_KEY."""
+PROOF_KEY = "x-pdserve-worker-proof"
+MAX_CHALLENGE_CHARS = 64
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 REFUSAL = "this internal endpoint needs the cluster secret (no valid cluster token)"
 
@@ -82,6 +87,27 @@ class _UnaryStreamToken(grpc.aio.UnaryStreamClientInterceptor):
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(_with_token(self._key, client_call_details), request)
+
+
+async def answer_challenge(context, key: bytes | None) -> None:
+    """Worker side of the mutual check: answer a router's challenge in the initial metadata."""
+    if key is None:
+        return
+    challenge = next((v for k, v in context.invocation_metadata() or () if k == CHALLENGE_KEY), None)
+    if isinstance(challenge, str) and 0 < len(challenge) <= MAX_CHALLENGE_CHARS:
+        await context.send_initial_metadata([(PROOF_KEY, tokens.worker_proof(key, challenge))])
+
+
+async def call_with_challenge(rpc, request, key: bytes | None, timeout: float):
+    """Router side: call a unary `rpc` with a fresh challenge; returns (response, proven), where
+    proven says the worker answered with the cluster secret's proof (always True without a key)."""
+    if key is None:
+        return await rpc(request, timeout=timeout), True
+    challenge = secrets.token_hex(16)
+    call = rpc(request, timeout=timeout, metadata=((CHALLENGE_KEY, challenge),))
+    response = await call
+    proof = next((v for k, v in await call.initial_metadata() or () if k == PROOF_KEY), None)
+    return response, tokens.worker_proof_ok(key, challenge, proof)
 
 
 def server_interceptors(key: bytes | None) -> Sequence[grpc.aio.ServerInterceptor]:

@@ -1,4 +1,4 @@
-"""Per-call HMAC tokens for internal gRPC (router -> worker), pure functions.
+"""Per-call HMAC tokens for internal gRPC (router -> worker), and the worker's proof back, pure functions.
 
 ``v1.<unix seconds>.<nonce>.<hex HMAC-SHA256(key, method | seconds | nonce)>``: bound to the RPC
 method and valid for ``MAX_SKEW_S`` around the worker's clock. Without TLS a token seen on the wire
@@ -37,6 +37,16 @@ def check(key: bytes, method: str, token: object, now: float | None = None,
     if abs(now - int(ts)) > max_skew_s:
         return False
     return hmac.compare_digest(_mac(key, method, ts, nonce), mac)
+
+
+def worker_proof(key: bytes, challenge: str) -> str:
+    """A worker's answer to a router's challenge (sent with GetStats): proves the worker holds the
+    secret, so a stranger's address (e.g. registered in Redis) is never put in rotation."""
+    return hmac.new(key, f"worker-proof\n{challenge}".encode(), hashlib.sha256).hexdigest()
+
+
+def worker_proof_ok(key: bytes, challenge: str, given: object) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(worker_proof(key, challenge), given)
 
 
 def _mac(key: bytes, method: str, ts: str, nonce: str) -> str:

@@ -110,3 +110,11 @@ def test_binding_beyond_loopback_without_a_secret_warns(caplog):
         assert not caplog.records
         warn_if_exposed("decode worker gRPC", "0.0.0.0", None)
     assert "without authentication" in caplog.records[0].getMessage()
+
+
+def test_worker_proof():
+    proof = tokens.worker_proof(KEYS.grpc, "c" * 32)
+    assert tokens.worker_proof_ok(KEYS.grpc, "c" * 32, proof)
+    assert not tokens.worker_proof_ok(KEYS.grpc, "d" * 32, proof)
+    assert not tokens.worker_proof_ok(OTHER.grpc, "c" * 32, proof)
+    assert not tokens.worker_proof_ok(KEYS.grpc, "c" * 32, None)

@@ -156,3 +156,51 @@ def test_decode_refuses_handles_no_router_signed(cluster, keys):
     out = run_decode(signed)
     assert out[-1].HasField("complete")
     assert sum(len(m.chunk.token_ids) for m in out if m.HasField("chunk")) == 5
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """A stranger's process posing as a decode worker (e.g. its address registered in Redis)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def GetStats(self, request, context):
+        self.calls.append("GetStats")
+        return worker_pb2.WorkerStats(role="decode", max_num_requests=8, block_size=16)
+
+    def Decode(self, request, context):
+        self.calls.append("Decode")  # the prompt would be the stranger's now
+        context.abort(grpc.StatusCode.INTERNAL, "fake worker")
+
+
+@pytest.fixture
+def fake_worker():
+    from concurrent import futures
+    fake = FakeWorker()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
+    fake.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    yield fake
+    server.stop(0)
+
+
+def test_a_worker_that_cannot_prove_the_secret_gets_no_request(fake_worker, secret_file, smollm2_dir):
+    request = generate_pb2.GenerateRequest(request_id="fake-1", tokens=generate_pb2.TokenIds(ids=PROMPT),
+                                           params=params(max_tokens=2))
+    router = start_router([], [fake_worker], "--cluster-secret-file", secret_file)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(generation_stub(router.address).Generate(request, timeout=30))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        router.stop()
+    assert fake_worker.calls and set(fake_worker.calls) == {"GetStats"}, fake_worker.calls
+    # control: a router without the secret trusts the same fake and hands it the prompt
+    router = start_router([], [fake_worker])
+    try:
+        with pytest.raises(grpc.RpcError):
+            list(generation_stub(router.address).Generate(request, timeout=30))
+    finally:
+        router.stop()
+    assert "Decode" in fake_worker.calls
