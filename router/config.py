@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.cluster_auth import ClusterAuthConfig
+from pdserve.cluster_auth.tls import InternalTLSConfig
 from router.routing_policy import POLICIES as ROUTING_POLICIES
 from router.routing_policy import RoutingWeights
 
@@ -58,6 +59,8 @@ class RouterConfig:
     """Largest gRPC request message and HTTP request body the router reads."""
     cluster_auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig)
     """Where the cluster secret is: tokens on calls to workers, signatures on KV handles."""
+    worker_tls: InternalTLSConfig = field(default_factory=InternalTLSConfig)
+    """mTLS to the workers (client certificate, CA the workers' certificates chain to); none: plaintext."""
 
     def __post_init__(self) -> None:
         for address in [*self.prefill_workers, *self.decode_workers]:

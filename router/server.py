@@ -34,7 +34,8 @@ class RouterServer:
         self.address = ""
         keys = config.cluster_auth.load()
         self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.health_interval_s,
-                               keys.grpc if keys else None)
+                               keys.grpc if keys else None,
+                               config.worker_tls.channel_credentials() if config.worker_tls.enabled else None)
         self.metrics = RouterMetrics(self.pool)
         self.index = KvIndex()
         self.admission = AdmissionQueue(config.max_queue_len, config.queue_timeout_s, config.retry_after_s)

@@ -70,7 +70,10 @@ class WorkerServer:
         self._server = grpc.aio.server(interceptors=server_interceptors(keys.grpc if keys else None),
                                        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if config.tls.enabled:
+            port = self._server.add_secure_port(f"{config.host}:{config.port}", config.tls.server_credentials())
+        else:
+            port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = kv_events.worker = f"{_advertised_host(config)}:{port}"

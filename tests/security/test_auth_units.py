@@ -118,3 +118,15 @@ def test_worker_proof():
     assert not tokens.worker_proof_ok(KEYS.grpc, "d" * 32, proof)
     assert not tokens.worker_proof_ok(OTHER.grpc, "c" * 32, proof)
     assert not tokens.worker_proof_ok(KEYS.grpc, "c" * 32, None)
+
+
+def test_tls_config_wants_all_three_files(tmp_path):
+    from pdserve.cluster_auth.tls import InternalTLSConfig
+    pem = tmp_path / "x.pem"
+    pem.write_text("x")
+    assert not InternalTLSConfig().enabled
+    assert InternalTLSConfig(str(pem), str(pem), str(pem)).enabled
+    with pytest.raises(ValueError, match="together"):
+        InternalTLSConfig(str(pem), str(pem))
+    with pytest.raises(ValueError, match="not a readable file"):
+        InternalTLSConfig(str(pem), str(pem), str(tmp_path / "missing.pem"))
