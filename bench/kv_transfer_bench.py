@@ -26,8 +26,12 @@ ceiling of the staging path's copies. (``tcp-staged`` on ``--device cpu`` runs
 the staging pipeline on host pools: its cost over plain ``tcp``.)
 
     PYTHONPATH=. .venv/bin/python bench/kv_transfer_bench.py \
-        [--device cpu|cuda] [--backends nixl,tcp[,tcp-staged]] [--dtype bfloat16] [--sizes 1,16,256,4096] \
-        [--json bench/results/kv_transfer.json]
+        [--device cpu|cuda] [--backends nixl,tcp[,tcp-staged][,tcp-auth,nixl-auth]] [--dtype bfloat16] \
+        [--sizes 1,16,256,4096] [--json bench/results/kv_transfer.json]
+
+A ``-auth`` backend runs with a cluster key on both sides (issue #20): the HMAC challenge-response
+on each new connection and a capability on each read. For TCP variants the bench also times a new
+connection + handshake + one-block pull (a fresh receiver per sample): the per-connection price.
 
 Every child process and every pipe read is bounded by a timeout.
 """
@@ -82,18 +86,25 @@ def _addr(pool) -> int:
     return int(pool.data_ptr()) if hasattr(pool, "data_ptr") else int(pool.ctypes.data)
 
 
-def _config(backend: str, tuning: dict) -> KVTransferConfig:
+BENCH_KEY = b"kv-transfer-bench-cluster-key-32"
+HANDSHAKES = 30
+
+
+def _config(backend: str, tuning: dict | None = None) -> KVTransferConfig:
     """``tcp-staged``: the TCP path through host staging buffers even for a host pool.
     ``cuda-ipc``: the same-host CUDA IPC mode (on a TCP side); every other row has it off,
     so each row measures its own path. ``tcp-socket``: staged blocks through the socket even
-    on one host (as between hosts); plain ``tcp`` shares the staging buffers on one host."""
-    if backend == "tcp-staged":
+    on one host (as between hosts); plain ``tcp`` shares the staging buffers on one host.
+    A ``-auth`` suffix: both sides hold a cluster key (HMAC challenge-response on every connection)."""
+    base, auth = backend.removesuffix("-auth"), backend.endswith("-auth")
+    tuning = {**(tuning or {}), "auth_key": BENCH_KEY if auth else None}
+    if base == "tcp-staged":
         return KVTransferConfig(backend="tcp", staging="always", cuda_ipc=False, **tuning)
-    if backend == "cuda-ipc":
+    if base == "cuda-ipc":
         return KVTransferConfig(backend="tcp", cuda_ipc=True, **tuning)
-    if backend == "tcp-socket":
+    if base == "tcp-socket":
         return KVTransferConfig(backend="tcp", cuda_ipc=False, staging_shm=False, **tuning)
-    return KVTransferConfig(backend=backend, cuda_ipc=False, **tuning)
+    return KVTransferConfig(backend=base, cuda_ipc=False, **tuning)
 
 
 def _recv(conn, proc, timeout: float = PIPE_TIMEOUT_S):
@@ -122,9 +133,11 @@ def _sender_main(conn, backend: str, layout_dict: dict, num_blocks: int, tuning:
         if msg is None:
             break
         held = [t for t in held if not t.state.is_terminal]
+        caps = {}
         for tid, ids in msg:
             held.append(sender.expect(tid, ids, 600))
-        conn.send(len(held))
+            caps[tid] = held[-1].capability
+        conn.send(caps)
     sender.close()
     conn.send(sender.stats())
 
@@ -215,11 +228,11 @@ def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], po
             plan = [(f"{backend}-{label}-{i}", rng.choice(pool_blocks, n, replace=False).tolist(),
                      rng.choice(pool_blocks, n, replace=False).tolist()) for i in range(reps + 2)]
             conn.send([(tid, remote) for tid, remote, _ in plan])
-            _recv(conn, proc)
+            caps = _recv(conn, proc)
             times = []
             for i, (tid, remote, local) in enumerate(plan):
                 t0 = time.perf_counter()
-                t = recv.read(info, tid, remote, local, timeout_s=PULL_TIMEOUT_S)
+                t = recv.read(info, tid, remote, local, timeout_s=PULL_TIMEOUT_S, capability=caps[tid])
                 state = t.wait(PULL_TIMEOUT_S + 5)
                 dt = time.perf_counter() - t0
                 if state != TransferState.DONE:
@@ -242,8 +255,10 @@ def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], po
             except OSError as e:
                 results[label]["process_vm_readv_error"] = repr(e)
         results["cuda_ipc_pulls"] = recv.stats()["cuda_ipc_pulls"]
-        if (backend == "cuda-ipc") != (results["cuda_ipc_pulls"] > 0):
+        if backend.startswith("cuda-ipc") != (results["cuda_ipc_pulls"] > 0):
             raise RuntimeError(f"{backend}: {results['cuda_ipc_pulls']} pulls went over CUDA IPC")
+        if not backend.startswith("nixl"):  # a fresh receiver per sample: its agent would dominate
+            results["handshake"] = _time_handshakes(conn, proc, info, backend, layout, recv_pool)
         recv.close()
         conn.send(None)
         leak = _recv(conn, proc)
@@ -258,6 +273,27 @@ def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], po
             proc.kill()
             proc.join(10)
         conn.close()
+
+
+def _time_handshakes(conn, proc, info: dict, backend: str, layout: KVLayout, recv_pool) -> dict:
+    """Connect + handshake + a one-block pull on a new connection (a fresh receiver), the cost a
+    decode worker pays once per prefill worker: with ``-auth`` it includes the HMAC exchange."""
+    plan = [(f"hs-{backend}-{i}", [i % 8]) for i in range(HANDSHAKES + 2)]
+    conn.send(plan)
+    caps = _recv(conn, proc)
+    times = []
+    for i, (tid, ids) in enumerate(plan):
+        recv = make_receiver(recv_pool, layout, _config(backend))
+        try:
+            t0 = time.perf_counter()
+            t = recv.read(info, tid, ids, ids, timeout_s=PULL_TIMEOUT_S, capability=caps[tid])
+            if t.wait(PULL_TIMEOUT_S + 5) != TransferState.DONE:
+                raise RuntimeError(f"{tid}: {t.error}")
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        finally:
+            recv.close()
+    return {"samples": len(times), "median_s": statistics.median(times), "min_s": min(times)}
 
 
 def cpu_references(layout: KVLayout, cases: list[tuple[str, int]], pool_blocks: int, recv_pool) -> dict:
@@ -315,6 +351,7 @@ def cuda_references(layout: KVLayout, cases: list[tuple[str, int]], pool_blocks:
 def _print_cpu(out: dict, dtype: str, block_nbytes: int) -> None:
     print(f"kv_transfer benchmark: {dtype}, block = {block_nbytes:,} bytes "
           f"(SmolLM2-135M, 16 tokens), random non-contiguous block ids, median of reps, every pull verified")
+    print("(-auth: both sides hold a cluster key; HMAC challenge-response per connection, capability per read)")
     head = f"{'blocks':>8} {'MB':>9} {'memcpy GB/s':>12} {'pvm_readv':>10}"
     for b in out["backends"]:
         head += f" {b + ' GB/s':>10} {b + ' ms':>10} {'%memcpy':>8}"
@@ -332,6 +369,11 @@ def _print_cpu(out: dict, dtype: str, block_nbytes: int) -> None:
             row += (f" {r['gb_per_s']:>10.2f} {r['median_s'] * 1e3:>10.3f}"
                     f" {100 * r['gb_per_s'] / m['gb_per_s']:>7.0f}%")
         print(row)
+    for b, res in out["backends"].items():
+        if "handshake" in res:
+            hs = res["handshake"]
+            print(f"{b}: new connection + handshake + 1-block pull: median {hs['median_s'] * 1e3:.3f} ms "
+                  f"(min {hs['min_s'] * 1e3:.3f} ms, {hs['samples']} samples)")
 
 
 def _print_cuda(out: dict, block_nbytes: int) -> None:

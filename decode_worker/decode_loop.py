@@ -45,12 +45,15 @@ class KVSource:
     transfer_id: str
     block_ids: list[int]
     first_token_id: int
+    capability: str = ""
+    """The prefill worker's secret for this transfer (its sender refuses reads without it)."""
 
     @classmethod
     def from_handle(cls, handle, first_token_id: int) -> KVSource:
         """Parse a KVHandle; raises InvalidParameter naming the field (the handle is caller input)."""
+        _need(len(handle.capability) <= MAX_TRANSFER_ID_CHARS, "kv.capability", "too long")
         return cls(parse_peer_info(handle.peer_info_json), check_transfer_id(handle.transfer_id),
-                   check_block_ids(list(handle.block_ids)), first_token_id)
+                   check_block_ids(list(handle.block_ids)), first_token_id, handle.capability)
 
 
 def parse_peer_info(text: str) -> dict:
@@ -242,7 +245,8 @@ class DecodeLoop(EngineLoop):
                 raise ValueError(f"the KV handle has {len(remote)} blocks, the prompt needs {len(table)}")
             job.transfer = self.receiver.read(job.source.peer_info, job.source.transfer_id,
                                               remote[num_local:], table[num_local:],
-                                              timeout_s=max(0.1, job.give_up_at - time.monotonic()))
+                                              timeout_s=max(0.1, job.give_up_at - time.monotonic()),
+                                              capability=job.source.capability)
         except (KVTransferError, OSError, ValueError) as exc:
             self.transfers_failed += 1
             self.engine.release_kv(job.request_id)
@@ -261,7 +265,8 @@ class DecodeLoop(EngineLoop):
     def _release_remote(self, job: _Job) -> None:
         """Tell the prefill worker to free its copy now rather than at lease expiry (an empty read)."""
         try:
-            self.receiver.read(job.source.peer_info, job.source.transfer_id, [], [], timeout_s=5.0)
+            self.receiver.read(job.source.peer_info, job.source.transfer_id, [], [], timeout_s=5.0,
+                               capability=job.source.capability)
         except (KVTransferError, OSError, ValueError):
             pass  # the lease expires on its own
 

@@ -50,7 +50,9 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def expect(self, transfer_id: str, block_ids: Sequence[int],
                timeout_s: float | None = None) -> Transfer:
-        """Expose ``block_ids`` for ``transfer_id`` until read, aborted or expired."""
+        """Expose ``block_ids`` for ``transfer_id`` until read, aborted or expired. The returned
+        transfer's ``capability`` (128 random bits, hex) must reach the receiver (in the KV handle):
+        a ``read`` or ``abort`` without it is refused like one of an unknown transfer."""
 
     @abc.abstractmethod
     def stats(self) -> dict[str, int]:
@@ -87,8 +89,9 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     def read(self, peer_info: dict[str, Any], transfer_id: str,
              remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             timeout_s: float | None = None) -> Transfer:
+             timeout_s: float | None = None, capability: str = "") -> Transfer:
         """Start pulling ``remote_block_ids`` into ``local_block_ids``; returns at once.
+        ``capability``: what the sender's ``expect`` issued for ``transfer_id``.
 
         Pass only the blocks this engine lacks; an empty list still tells the
         sender it may free the request's blocks.

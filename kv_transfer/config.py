@@ -30,6 +30,15 @@ class KVTransferConfig:
     has not arrived whole within this time, however slowly its bytes trickle in."""
     max_connections: int = 256
     """Receiver connections a sender serves at once (one thread each); more are refused at once."""
+    max_connections_per_peer: int = 64
+    """Connections one peer address may hold open at a sender; more are refused at once."""
+    idle_timeout_s: float = 300.0
+    """A sender closes a connection that has sent nothing for this long after its handshake; a
+    receiver reconnects a link it has not used for half of it rather than reuse it."""
+    auth_key: bytes | None = dataclasses.field(default=None, repr=False)
+    """Key of the control channel's HMAC handshake (derived from the cluster secret, at least 16
+    bytes; both sides need the same). None: the link is not authenticated (a loopback-only
+    cluster) and a peer that does authenticate is refused."""
     max_handshake_payload_bytes: int = 4 << 20
     """Largest payload a receiver accepts in the sender's ``hello_ok`` (NIXL agent metadata, KBs)."""
     abort_wait_s: float = 2.0
@@ -65,11 +74,13 @@ class KVTransferConfig:
             raise ValueError("host must be non-empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        for name in ("default_timeout_s", "connect_timeout_s", "abort_wait_s"):
+        for name in ("default_timeout_s", "connect_timeout_s", "abort_wait_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.max_connections < 1:
-            raise ValueError("max_connections must be >= 1")
+        if self.max_connections < 1 or self.max_connections_per_peer < 1:
+            raise ValueError("max_connections and max_connections_per_peer must be >= 1")
+        if self.auth_key is not None and (not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16):
+            raise ValueError("auth_key must be bytes, at least 16 of them")
         if self.max_handshake_payload_bytes < 0:
             raise ValueError("max_handshake_payload_bytes must be >= 0")
         if self.socket_buffer_bytes != 0 and self.socket_buffer_bytes < 4096:

@@ -15,8 +15,8 @@ import hashlib
 import json
 
 #: Wire protocol version; bump on any incompatible change of the messages
-#: (2: the layout carries the pool's device kind).
-PROTOCOL_VERSION = 2
+#: (2: the layout carries the pool's device kind; 3: HMAC handshake and transfer capabilities).
+PROTOCOL_VERSION = 3
 
 #: Bytes per element for the dtypes we accept.
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
@@ -103,6 +103,10 @@ class KVLayout:
         """Stable hex digest of every field (and the protocol version)."""
         canon = json.dumps({"v": PROTOCOL_VERSION, **self.to_dict()}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+    def mismatched_fields(self, other: KVLayout) -> list[str]:
+        """Names of the fields that differ from ``other`` (what a sender may tell a peer)."""
+        return [k for k, v in self.to_dict().items() if getattr(other, k) != v]
 
     def describe_mismatch(self, other: KVLayout) -> str:
         """Human-readable list of the fields that differ from ``other``."""

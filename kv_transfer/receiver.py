@@ -5,13 +5,15 @@ on the link to that sender; it never blocks. Each link (one per sender
 instance) owns a control connection and a worker thread that runs its queued
 transfers in order:
 
-    queued -> connect + handshake (once per connection) -> ``read`` ->
+    queued -> connect + HMAC handshake + hello (once per connection) -> ``read`` ->
     ``grant`` (TRANSFERRING) -> backend pulls the bytes -> ``done``
     [-> ``ack``] -> DONE
 
 Abort or deadline during a pull shuts the connection down (that interrupts any
 blocking I/O at once, and tells the sender to free); the next transfer on the
-link reconnects.
+link reconnects, as does a transfer on a link idle for half the sender's idle timeout
+(the sender may be about to close it). The sender proves it holds the cluster key
+before its ``hello_ok`` (and any payload over ``PRE_AUTH_MAX_BYTES``) is read.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import collections
 import logging
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from . import auth
 from .base import KVReceiver
 from .config import KVTransferConfig
 from .cuda_ipc import IpcPuller, MappedPool, host_identity
@@ -62,6 +66,8 @@ class PeerLink:
         self.port = int(peer_info["port"])
         self.instance_id = peer_info.get("instance_id")
         self.sock: socket.socket | None = None
+        self.last_used = 0.0
+        """``time.monotonic()`` of the last message on the connection."""
         self.hello: dict = {}
         self.backend_state: Any = None
         self._queue: collections.deque[Transfer] = collections.deque()
@@ -156,9 +162,10 @@ class PeerLink:
         try:
             tune_socket(sock, self.owner.config.socket_buffer_bytes)
             layout = self.owner.layout
+            proof = self._authenticate(sock)
             staging = self.owner.staging
             shm_host = {"shm_host": host_identity()} if staging is not None and staging.shared else {}
-            send_msg(sock, {"type": "hello", "version": PROTOCOL_VERSION,
+            send_msg(sock, {"type": "hello", "version": PROTOCOL_VERSION, "proof": proof,
                             "backend": self.mode, **shm_host,
                             "compat_hash": layout.compat_hash(), "layout": layout.to_dict()})
             hello, payload = recv_msg(sock, max_payload=self.owner.config.max_handshake_payload_bytes)
@@ -183,6 +190,24 @@ class PeerLink:
         self.hello = hello
         self.shm = self.mode == "tcp" and bool(hello.get("shm_pid")) and can_map_from(hello["shm_pid"])
         self.sock = sock
+        self.last_used = time.monotonic()
+
+    def _authenticate(self, sock: socket.socket) -> str:
+        """Step 0 of the handshake: check the sender's proof, return ours (see :mod:`kv_transfer.auth`)."""
+        key = self.owner.config.auth_key
+        nonce_r = auth.new_nonce()
+        send_msg(sock, {"type": "auth", "version": PROTOCOL_VERSION, "nonce": nonce_r})
+        reply, _ = recv_msg(sock, auth.PRE_AUTH_MAX_BYTES)
+        if reply.get("type") == "refuse":
+            raise IncompatiblePeerError(f"sender refused the handshake: {str(reply.get('reason'))[:200]}")
+        if reply.get("type") != "challenge":
+            raise IncompatiblePeerError(f"unexpected handshake reply {str(reply.get('type'))[:40]!r}")
+        nonce_s = reply.get("nonce")
+        if not auth.proof_ok(key, "sender", nonce_r, nonce_s, reply.get("proof")):
+            raise IncompatiblePeerError(
+                "the sender failed authentication (wrong cluster secret)" if key is not None and reply.get("proof")
+                else "the sender and this receiver disagree on authentication (cluster secret on one side only)")
+        return auth.proof(key, "receiver", nonce_r, nonce_s)
 
     def _map(self, hello: dict) -> None:
         if self.mapped is not None:
@@ -204,10 +229,12 @@ class PeerLink:
         if t.state.is_terminal:  # aborted or expired while queued: let the sender free
             self._send_abort(t)
             return
+        if self.sock is not None and time.monotonic() - self.last_used > self.owner.config.idle_timeout_s / 2:
+            self.disconnect()  # the sender may be closing it as idle: start afresh
         if self.sock is None:
             try:
                 self._connect(t)
-            except (OSError, IncompatiblePeerError) as e:
+            except (OSError, IncompatiblePeerError, ValueError) as e:
                 t.fail(f"cannot connect to {self.host}:{self.port}: {e}")
                 return
         remote = t.remote_block_ids
@@ -225,7 +252,9 @@ class PeerLink:
         try:
             sock = self.sock
             sock.settimeout(max(0.001, t.remaining()))
-            send_msg(sock, {"type": "read", "tid": t.transfer_id, "blocks": remote, "shm": self.shm})
+            self.last_used = time.monotonic()
+            send_msg(sock, {"type": "read", "tid": t.transfer_id, "cap": t.capability, "blocks": remote,
+                            "shm": self.shm})
             reply, _ = recv_msg(sock)
             if reply.get("type") == "refuse_read":
                 raise TransferRefusedError(f"sender refused the read: {reply.get('reason')}")
@@ -270,7 +299,9 @@ class PeerLink:
             except Exception:
                 return
         try:
-            send_msg(self.sock, {"type": "abort", "tid": t.transfer_id, "reason": t.error or ""})
+            self.last_used = time.monotonic()
+            send_msg(self.sock, {"type": "abort", "tid": t.transfer_id, "cap": t.capability,
+                                 "reason": t.error or ""})
         except OSError:
             self.disconnect()
 
@@ -327,7 +358,7 @@ class ControlReceiver(KVReceiver):
     # -- public API -------------------------------------------------------------
     def read(self, peer_info: dict[str, Any], transfer_id: str,
              remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             timeout_s: float | None = None) -> Transfer:
+             timeout_s: float | None = None, capability: str = "") -> Transfer:
         if self._closed:
             raise RuntimeError("receiver is closed")
         mode = self._mode_for(peer_info)
@@ -341,6 +372,7 @@ class ControlReceiver(KVReceiver):
                      timeout_s if timeout_s is not None else self.config.default_timeout_s,
                      self.config.abort_wait_s, on_finish=self._table.finished)
         t.remote_block_ids = remote
+        t.capability = str(capability)
         self._table.add(t)
         self._link_for(peer_info, mode).submit(t)
         return t

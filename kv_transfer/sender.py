@@ -2,24 +2,31 @@
 
 One listening socket; one thread per receiver connection. A connection goes:
 
-1. ``hello`` (version, compat hash, layout, backend) -> ``hello_ok`` (+ backend
+0. ``auth`` (version, nonce) -> ``challenge`` (our nonce, our HMAC proof); the
+   receiver's proof comes in its ``hello`` (see :mod:`kv_transfer.auth`). Until it
+   checks out, messages are capped at ``PRE_AUTH_MAX_BYTES`` and nothing about this
+   sender (layout, pool, NIXL metadata) is sent: a refusal says only why.
+1. ``hello`` (proof, version, compat hash, layout, backend) -> ``hello_ok`` (+ backend
    metadata) or ``refuse`` and close: nothing else is possible before this.
-2. ``read`` (transfer id, block ids) -> ``grant`` or ``refuse_read``. Only
-   blocks passed to :meth:`expect` for that transfer id, once. After ``grant``
-   the backend moves the data (TCP: streamed on this connection; NIXL: the
-   receiver READs the registered memory itself).
-3. ``done`` -> the sender's transfer turns DONE (NIXL also answers ``ack``,
-   telling the receiver whether the lease still held during its READ).
-   ``abort`` -> the sender's transfer turns FAILED.
+2. ``read`` (transfer id, capability, block ids) -> ``grant`` or ``refuse_read``. Only
+   blocks passed to :meth:`expect` for that transfer id, once, and only with the
+   capability :meth:`expect` issued (a wrong one is refused like an unknown id).
+   After ``grant`` the backend moves the data (TCP: streamed on this connection;
+   NIXL: the receiver READs the registered memory itself).
+3. ``done`` -> the sender's transfer turns DONE, only for a transfer granted on this
+   connection (NIXL also answers ``ack``, telling the receiver whether the lease
+   still held during its READ). ``abort`` -> the sender's transfer turns FAILED,
+   only for a transfer granted on this connection or with its capability.
 
 A connection that drops fails every transfer granted on it.
 
 Nothing a connection sends is trusted: a message over its size limit (a
 receiver's messages carry no payload; a header is bounded by what a ``read`` of
 every block needs) drops that connection before anything is allocated; a
-``hello`` must arrive whole within ``connect_timeout_s``; at most
-``max_connections`` connections are served (more are refused at once); and the
-accept loop outlives any error serving one connection.
+``hello`` must arrive whole within ``connect_timeout_s``; a connection silent for
+``idle_timeout_s`` after it is closed; at most ``max_connections`` connections
+(``max_connections_per_peer`` from one address) are served, more are refused at
+once; and the accept loop outlives any error serving one connection.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from . import auth
 from .base import KVSender
 from .config import KVTransferConfig
 from .cuda_ipc import export_region, host_identity
@@ -69,9 +77,11 @@ class ControlSender(KVSender):
         self.instance_id = uuid.uuid4().hex
         self._table = TransferTable(f"send-{self.instance_id[:6]}")
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._peer_of: dict[socket.socket, str] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._num_refused = 0
+        self._num_auth_failed = 0
         #: A ``read`` names at most every block once: its header needs at most this much.
         self._max_header = MAX_HEADER + self.region.num_blocks * (len(str(self.region.num_blocks)) + 1)
         self._listener = socket.create_server((config.host, config.port), backlog=64)
@@ -124,6 +134,7 @@ class ControlSender(KVSender):
         t = Transfer(str(transfer_id), "sender", ids,
                      timeout_s if timeout_s is not None else self.config.default_timeout_s,
                      self.config.abort_wait_s, on_finish=self._table.finished)
+        t.capability = auth.new_capability()
         self._table.add(t)
         return t
 
@@ -134,6 +145,7 @@ class ControlSender(KVSender):
             "in_flight": len(self._table),
             "connections": conns,
             "connections_refused": self._num_refused,
+            "auth_failed": self._num_auth_failed,
             "bytes_moved": self._table.bytes_moved,
             "transfers_done": self._table.num_done,
             "transfers_failed": self._table.num_failed,
@@ -164,7 +176,7 @@ class ControlSender(KVSender):
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError as e:
                 if self._closed:
                     return
@@ -172,14 +184,15 @@ class ControlSender(KVSender):
                 time.sleep(0.05)
                 continue
             try:
-                self._admit(sock)
+                self._admit(sock, str(addr[0]))
             except Exception:  # noqa: BLE001 - e.g. no thread can start: drop this one, keep accepting
                 logger.exception("cannot serve a receiver connection; closing it")
                 with self._lock:
                     self._conns.pop(sock, None)
+                    self._peer_of.pop(sock, None)
                 sock.close()
 
-    def _admit(self, sock: socket.socket) -> None:
+    def _admit(self, sock: socket.socket, peer: str) -> None:
         """Serve a new connection on a thread of its own, or refuse it when at the cap."""
         thread = threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
                                   name=f"kv-send-conn-{self.port}")
@@ -188,13 +201,19 @@ class ControlSender(KVSender):
                 sock.close()
                 return
             full = len(self._conns) >= self.config.max_connections
-            if not full:
+            from_peer = sum(1 for p in self._peer_of.values() if p == peer)
+            peer_full = from_peer >= self.config.max_connections_per_peer
+            if not full and not peer_full:
                 self._conns[sock] = thread
-        if full:
+                self._peer_of[sock] = peer
+        if full or peer_full:
             self._num_refused += 1
-            logger.warning("refusing a receiver connection: %d connections open (max_connections)",
-                           self.config.max_connections)
-            _refuse_now(sock, f"too many connections (the sender serves {self.config.max_connections})")
+            limit = self.config.max_connections if full else self.config.max_connections_per_peer
+            logger.warning("refusing a receiver connection from %s: %d connections open (%s)", peer,
+                           len(self._conns) if full else from_peer,
+                           "max_connections" if full else "max_connections_per_peer")
+            _refuse_now(sock, f"too many connections (the sender serves {limit}"
+                              f"{'' if full else ' per peer'})")
             return
         tune_socket(sock, self.config.socket_buffer_bytes)
         _start_thread(thread)
@@ -209,17 +228,42 @@ class ControlSender(KVSender):
             return f"backend mismatch: sender serves {list(self.modes)}, receiver asks {hello.get('backend')!r}"
         if hello.get("compat_hash") != self.layout.compat_hash():
             try:
-                detail = self.layout.describe_mismatch(KVLayout.from_dict(hello["layout"]))
+                fields = self.layout.mismatched_fields(KVLayout.from_dict(hello["layout"]))
             except Exception:
-                detail = "peer layout unreadable"
-            return f"incompatible KV layout ({detail})"
+                fields = []
+            # The fields that differ, never our values: the peer learns nothing about our layout.
+            return f"incompatible KV layout (differs in: {', '.join(fields) or 'unreadable peer layout'})"
         return None
+
+    def _authenticate(self, sock: socket.socket, deadline: float) -> dict | None:
+        """Steps 0-1: the HMAC challenge-response; returns the receiver's ``hello`` once its proof
+        checks out, or refuses (saying nothing about this sender) and returns None."""
+        first, _ = recv_msg(sock, auth.PRE_AUTH_MAX_BYTES, deadline=deadline)
+        if first.get("type") != "auth" or first.get("version") != PROTOCOL_VERSION:
+            send_msg(sock, {"type": "refuse", "reason": f"protocol version mismatch: sender speaks "
+                                                        f"{PROTOCOL_VERSION}, receiver {first.get('version')!r}"})
+            return None
+        key = self.config.auth_key
+        nonce_r, nonce_s = first.get("nonce"), auth.new_nonce()
+        if not isinstance(nonce_r, str) or len(nonce_r) > 2 * auth.NONCE_BYTES:
+            nonce_r = ""
+        send_msg(sock, {"type": "challenge", "nonce": nonce_s, "authenticated": key is not None,
+                        "proof": auth.proof(key, "sender", nonce_r, nonce_s)})
+        hello, _ = recv_msg(sock, auth.PRE_AUTH_MAX_BYTES, deadline=deadline)
+        if not auth.proof_ok(key, "receiver", nonce_r, nonce_s, hello.get("proof")):
+            self._num_auth_failed += 1
+            logger.warning("refusing a receiver at %s: authentication failed", _peer_name(sock))
+            send_msg(sock, {"type": "refuse", "reason": "authentication failed"
+                            if key is not None else "this sender does not authenticate (no cluster secret)"})
+            return None
+        return hello
 
     def _serve_conn(self, sock: socket.socket) -> None:
         granted: dict[str, Transfer] = {}
         try:
-            hello, _ = recv_msg(sock, self._max_header,
-                                deadline=time.monotonic() + self.config.connect_timeout_s)
+            hello = self._authenticate(sock, time.monotonic() + self.config.connect_timeout_s)
+            if hello is None:
+                return
             problem = self._check_hello(hello)
             if problem:
                 logger.warning("refusing receiver: %s", problem)
@@ -235,12 +279,12 @@ class ControlSender(KVSender):
             send_msg(sock, {"type": "hello_ok", "instance_id": self.instance_id,
                             "num_blocks": self.region.num_blocks,
                             "block_nbytes": self.region.block_nbytes, **extra}, payload)
-            sock.settimeout(None)
             while True:
+                sock.settimeout(self.config.idle_timeout_s)
                 msg, _ = recv_msg(sock, self._max_header)
                 kind, tid = msg.get("type"), str(msg.get("tid"))
                 if kind == "read":
-                    self._handle_read(sock, tid, msg.get("blocks", []), granted, mode,
+                    self._handle_read(sock, tid, msg.get("cap"), msg.get("blocks", []), granted, mode,
                                       shm and msg.get("shm") is True)
                 elif kind == "done":
                     t = granted.pop(tid, None)
@@ -248,14 +292,22 @@ class ControlSender(KVSender):
                     if mode != "tcp":
                         reason = "" if ok else (t.error if t is not None else "transfer not granted")
                         send_msg(sock, {"type": "ack", "tid": tid, "ok": ok, "reason": reason})
-                elif kind == "abort":
-                    t = granted.pop(tid, None) or self._table.get(tid)
+                elif kind == "abort":  # honoured from the grant's connection, or with the capability
+                    t = granted.pop(tid, None)
+                    if t is None:
+                        t = self._table.get(tid)
+                        if t is not None and not auth.capability_ok(t.capability, msg.get("cap")):
+                            logger.warning("ignoring an abort of %r without its capability from %s",
+                                           tid, _peer_name(sock))
+                            t = None
                     if t is not None:
-                        t.request_stop(f"receiver aborted: {msg.get('reason', '')}")
+                        t.request_stop(f"receiver aborted: {str(msg.get('reason', ''))[:200]}")
                 else:
                     raise ConnectionError(f"unexpected message {kind!r}")
         except MessageTooLarge as e:
             logger.warning("dropping a receiver connection: %s", e)
+        except TimeoutError:
+            logger.info("closing a receiver connection idle for %.0fs", self.config.idle_timeout_s)
         except (PeerClosed, OSError, ValueError, InterruptedError) as e:
             if granted:
                 logger.info("receiver connection lost with %d transfers granted: %s", len(granted), e)
@@ -268,12 +320,16 @@ class ControlSender(KVSender):
             sock.close()
             with self._lock:
                 self._conns.pop(sock, None)
+                self._peer_of.pop(sock, None)
 
-    def _handle_read(self, sock: socket.socket, tid: str, blocks: list,
+    def _handle_read(self, sock: socket.socket, tid: str, cap: object, blocks: list,
                      granted: dict[str, Transfer], mode: str, shm: bool = False) -> None:
         t = self._table.get(tid)
         reason = None
-        if t is None:
+        if t is None or not auth.capability_ok(t.capability, cap):
+            if t is not None:
+                logger.warning("refusing a read of %r with a wrong capability from %s", tid, _peer_name(sock))
+                t = None
             reason = f"unknown, finished or expired transfer {tid!r}"
         elif t.state != TransferState.WAITING:
             reason = f"transfer {tid!r} was already read"
@@ -314,6 +370,14 @@ def _refuse_now(sock: socket.socket, reason: str) -> None:
         pass
     finally:
         sock.close()
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -48,6 +48,8 @@ class Transfer:
         self._finishing = False
         self._hooks: list[Callable[[Transfer], None]] = []
         self.granted_nbytes = 0
+        self.capability = ""
+        """Sender: the 128-bit secret (hex) a ``read``/``abort`` must name; receiver: the one it names."""
 
     def __repr__(self) -> str:
         return (f"Transfer({self.transfer_id!r}, {self.role}, {self._state.name}, "

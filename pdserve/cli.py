@@ -57,6 +57,18 @@ def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:
     if standalone:
         p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
         add_registry_args(p)
+        add_cluster_secret_arg(p)
+        p.add_argument("--tls-cert", default=None, help="PEM certificate of this worker's gRPC port (mTLS; with "
+                                                        "--tls-key and --tls-ca: callers must present a cert from it)")
+        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+        p.add_argument("--tls-ca", default=None, help="PEM CA that callers' (the routers') certificates chain to")
+
+
+def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret-file", default=None,
+                   help="file holding the secret shared by the router and workers: authenticates worker gRPC, "
+                        "KV transfers and KV handles (or env PDSERVE_CLUSTER_SECRET_FILE / PDSERVE_CLUSTER_SECRET; "
+                        "none: internal links unauthenticated). `serve` generates one when none is given")
 
 
 def add_registry_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +84,8 @@ def add_registry_args(p: argparse.ArgumentParser) -> None:
 def worker_config_from_args(args: argparse.Namespace, role: str, standalone: bool = True):
     """WorkerConfig from the worker flags; `serve` (not standalone) picks hosts and ports itself."""
     from kv_transfer import KVTransferConfig
+    from pdserve.cluster_auth import ClusterAuthConfig
+    from pdserve.cluster_auth.tls import InternalTLSConfig
     from worker_runtime.config import WorkerConfig
     host = args.host if standalone else "127.0.0.1"
     advertise = args.advertise_host if standalone else None
@@ -83,7 +97,10 @@ def worker_config_from_args(args: argparse.Namespace, role: str, standalone: boo
                         max_num_requests=args.max_num_requests, num_threads=args.num_threads,
                         drain_timeout_s=args.drain_timeout_s, redis_url=args.redis_url,
                         registry_ttl_s=args.registry_ttl_s, metrics_port=args.metrics_port if standalone else None,
-                        redis_password_file=args.redis_password_file)
+                        redis_password_file=args.redis_password_file,
+                        auth=ClusterAuthConfig(args.cluster_secret_file),
+                        tls=InternalTLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if standalone
+                        else InternalTLSConfig())
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -129,9 +146,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-metadata", action="store_true",
                    help="name the workers of each sample in Generate's trailing metadata (debugging)")
     add_registry_args(p)
+    add_cluster_secret_arg(p)
 
 
 def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode: list[str]):
+    from pdserve.cluster_auth import ClusterAuthConfig
+    from pdserve.cluster_auth.tls import InternalTLSConfig
     from router.config import RouterConfig
     from router.front_security import FrontSecurityConfig
     from router.routing_policy import RoutingWeights
@@ -153,7 +173,11 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         security=FrontSecurityConfig(api_key_file=args.api_key_file,
                                                      tls_cert_file=args.tls_cert_file,
                                                      tls_key_file=args.tls_key_file),
-                        route_metadata=args.route_metadata, redis_password_file=args.redis_password_file)
+                        route_metadata=args.route_metadata, redis_password_file=args.redis_password_file,
+                        cluster_auth=ClusterAuthConfig(args.cluster_secret_file),
+                        worker_tls=InternalTLSConfig(getattr(args, "worker_tls_cert", None),
+                                                     getattr(args, "worker_tls_key", None),
+                                                     getattr(args, "worker_tls_ca", None)))
 
 
 def _addresses(text: str) -> list[str]:
@@ -191,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--decode-workers", default="",
                         help="comma-separated host:port of decode workers (or let them register in --redis-url)")
     router.add_argument("--lease-s", type=float, default=30.0)
+    router.add_argument("--worker-tls-cert", default=None,
+                        help="PEM client certificate the router presents to workers (mTLS to workers started "
+                             "with --tls-cert/--tls-key/--tls-ca)")
+    router.add_argument("--worker-tls-key", default=None, help="PEM private key of --worker-tls-cert")
+    router.add_argument("--worker-tls-ca", default=None, help="PEM CA the workers' certificates chain to")
     add_router_args(router)
     router.add_argument("--model", default="default", help="checkpoint directory (tokenizer), or 'default'")
     router.add_argument("--max-model-len", type=int, default=None)

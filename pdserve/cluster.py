@@ -13,10 +13,14 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 
+from pdserve.cluster_auth import ClusterAuthConfig
+from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
 from router.config import RouterConfig
 from router.server import RouterServer
 from worker_runtime.config import WorkerConfig
@@ -134,7 +138,11 @@ class RayCluster:
                                              metrics_port=metrics_port)
                 if metrics_port is not None:
                     print(f"{role} worker metrics at http://{template.host}:{metrics_port}/metrics", flush=True)
-                actor = actor_cls.options(**actor_options(role, use_gpu, resources),
+                options = actor_options(role, use_gpu, resources)
+                if joined:  # other machines lack our secret file: their process env gets the secret
+                    options["runtime_env"] = {"env_vars": {ENV_VALUE: template.auth.read_secret().decode()}}
+                    worker = dataclasses.replace(worker, auth=ClusterAuthConfig())
+                actor = actor_cls.options(**options,
                                           max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
                                           name=None).remote(worker, cfg.log_level)
                 self.actors.append(actor)
@@ -155,7 +163,14 @@ class RayCluster:
 
 
 def run_serve(config: ClusterConfig) -> int:
-    """Start the workers under Ray and the router here; stop everything on SIGINT/SIGTERM."""
+    """Start the workers under Ray and the router here; stop everything on SIGINT/SIGTERM.
+
+    Every internal link is authenticated: without a configured cluster secret a throwaway one is
+    written (mode 0600) to a private temporary directory, removed on exit."""
+    secret_dir = tempfile.mkdtemp(prefix="pdserve-secret-")
+    auth = ClusterAuthConfig(secret_file_for_cluster(config.router.cluster_auth, secret_dir))
+    config = dataclasses.replace(config, router=dataclasses.replace(config.router, cluster_auth=auth),
+                                 worker=dataclasses.replace(config.worker, auth=auth))
     cluster = RayCluster(config)
     stop = threading.Event()
 
@@ -173,6 +188,7 @@ def run_serve(config: ClusterConfig) -> int:
         return asyncio.run(_serve_router(router_config, stop, config))
     finally:
         cluster.stop()
+        shutil.rmtree(secret_dir, ignore_errors=True)
 
 
 async def _serve_router(router_config: RouterConfig, stop: threading.Event, config: ClusterConfig) -> int:
@@ -184,6 +200,9 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
         extras += f", OpenAI API at {scheme}://{router_config.host}:{router.http_port}/v1"
     if router_config.metrics_port is not None:
         extras += f", metrics at http://{router_config.host}:{router_config.metrics_port}/metrics"
+    workers = ", ".join([*(f"prefill {a}" for a in router_config.prefill_workers),
+                         *(f"decode {a}" for a in router_config.decode_workers)])
+    print(f"workers: {workers} (internal links authenticated with the cluster secret)", flush=True)
     print(f"ready: pdserve serving at {address} ({config.num_prefill} prefill, {config.num_decode} decode"
           f"{extras})", flush=True)
     while not stop.is_set():

@@ -27,6 +27,8 @@ class PrefillResult:
     peer_info_json: str = ""
     transfer_id: str = ""
     block_ids: list[int] | None = None
+    capability: str = ""
+    """The sender's secret for this transfer (goes into the KV handle)."""
 
 
 class PrefillLoop(EngineLoop):
@@ -80,7 +82,8 @@ class PrefillLoop(EngineLoop):
             transfer_id = delta.request_id
             transfer = self.sender.expect(transfer_id, delta.kv_block_ids, timeout_s=lease_s)
             self._leases[delta.request_id] = transfer
-            result = PrefillResult(delta, self._peer_info_json, transfer_id, delta.kv_block_ids)
+            result = PrefillResult(delta, self._peer_info_json, transfer_id, delta.kv_block_ids,
+                                   transfer.capability)
         self._resolve(future, result=result)
 
     def has_transfers(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pdserve.cluster_auth import ClusterAuthConfig
+from pdserve.cluster_auth.tls import InternalTLSConfig
 from router.front_security import FrontSecurityConfig
 from router.routing_policy import POLICIES as ROUTING_POLICIES
 from router.routing_policy import RoutingWeights
@@ -64,6 +66,10 @@ class RouterConfig:
     default: internal addresses are not the clients' business."""
     redis_password_file: str | None = None
     """Redis password, read from this file (else $REDIS_PASSWORD, else the one in redis_url)."""
+    cluster_auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig)
+    """Where the cluster secret is: tokens on calls to workers, signatures on KV handles."""
+    worker_tls: InternalTLSConfig = field(default_factory=InternalTLSConfig)
+    """mTLS to the workers (client certificate, CA the workers' certificates chain to); none: plaintext."""
 
     def __post_init__(self) -> None:
         for address in [*self.prefill_workers, *self.decode_workers]:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.cluster_auth import handles
 from pdserve.protocol import generate_pb2, params_to_proto, worker_pb2
 from router.admission import AdmissionRejected
 from router.config import RouterConfig
@@ -50,6 +51,8 @@ class GenerationPipeline:
         self.selector = selector
         self.pool = selector.pool
         self._background: set[asyncio.Task] = set()
+        self.handle_key: bytes | None = None
+        """The cluster's handle key: KV handles passed to decode workers are signed with it."""
 
     async def generate(self, request: PreparedRequest, timeout_s: float | None = None,
                        routes: list[tuple[int, Route]] | None = None
@@ -129,6 +132,8 @@ class GenerationPipeline:
                     return
                 decode_req.first_token_id = first.first.token_ids[0]
                 decode_req.kv.CopyFrom(first.kv)
+                if self.handle_key is not None:
+                    handles.sign(self.handle_key, decode_req.kv, prompt)
             async for msg in self._decode(decode_req, route.decode, deadline, touched):
                 msg.index = index
                 if msg.HasField("complete"):

@@ -35,7 +35,10 @@ class RouterServer:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.address = ""
-        self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.health_interval_s)
+        keys = config.cluster_auth.load()
+        self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.health_interval_s,
+                               keys.grpc if keys else None,
+                               config.worker_tls.channel_credentials() if config.worker_tls.enabled else None)
         self.metrics = RouterMetrics(self.pool)
         self.index = KvIndex()
         self.admission = AdmissionQueue(config.max_queue_len, config.queue_timeout_s, config.retry_after_s)
@@ -45,6 +48,7 @@ class RouterServer:
                                        self.admission, config.skip_prefill_tokens, self.routing_metrics)
         self.pipeline = GenerationPipeline(config, self.selector)
         self.keys = ApiKeys(config.security.api_key_file)
+        self.pipeline.handle_key = keys.handle if keys else None
         self._redis = None
         self._feeds: KvFeeds | None = None
         self._registry = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.grpc_common import insecure_channel
+from pdserve.cluster_auth.grpc_auth import call_with_challenge, worker_channel
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from router.routing_policy import PrefillSpeed
 
@@ -69,7 +69,12 @@ class WorkerClient:
 
 
 class WorkerPool:
-    def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0,
+                 grpc_key: bytes | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._grpc_key = grpc_key
+        self._credentials = credentials
+        """mTLS credentials for worker channels (None: plaintext)."""
+        """The cluster's token key: every call to a worker carries a token (None: no cluster secret)."""
         self.workers = [WorkerClient(a, "prefill") for a in prefill] + [WorkerClient(a, "decode") for a in decode]
         self.health_interval_s = health_interval_s
         self.on_change: list[Callable[[], None]] = []
@@ -128,7 +133,7 @@ class WorkerPool:
         return [w for w in self.workers if w.role == role and w.healthy]
 
     def _connect(self, worker: WorkerClient) -> None:
-        worker.channel = insecure_channel(worker.address)
+        worker.channel = worker_channel(worker.address, self._grpc_key, self._credentials)
         worker.stub = worker_pb2_grpc.WorkerStub(worker.channel)
         for callback in self.on_add:
             callback(worker)
@@ -158,8 +163,8 @@ class WorkerPool:
 
     async def _check(self, worker: WorkerClient) -> None:
         try:
-            stats = await worker.stub.GetStats(worker_pb2.StatsRequest(),
-                                               timeout=max(2.0, 2 * self.health_interval_s))
+            stats, proven = await call_with_challenge(worker.stub.GetStats, worker_pb2.StatsRequest(),
+                                                      self._grpc_key, max(2.0, 2 * self.health_interval_s))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.healthy:
                 worker.slow_polls += 1
@@ -168,6 +173,9 @@ class WorkerPool:
             self.mark_failed(worker, f"{exc.code().name}: {exc.details()}")
             return
         worker.slow_polls = 0
+        if not proven:
+            self.mark_failed(worker, "did not prove it holds the cluster secret")
+            return
         if stats.role != worker.role:
             self.mark_failed(worker, f"is a {stats.role} worker, configured as {worker.role}")
             return

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from kv_transfer import KVTransferConfig
+from pdserve.cluster_auth import ClusterAuthConfig
+from pdserve.cluster_auth.tls import InternalTLSConfig
 
 ROLES = ("prefill", "decode")
 
@@ -41,6 +43,10 @@ class WorkerConfig:
     """Lifetime of the registration; renewed every third of it."""
     redis_password_file: str | None = None
     """Redis password, read from this file (else $REDIS_PASSWORD, else the one in redis_url)."""
+    auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig)
+    """Where the cluster secret is (gRPC tokens, KV handshake, handle signatures); none: unauthenticated."""
+    tls: InternalTLSConfig = field(default_factory=InternalTLSConfig)
+    """mTLS on the gRPC port (callers must present a certificate from the CA); none: plaintext."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -7,16 +7,20 @@ behind `pdserve prefill-worker` / `pdserve decode-worker`, with SIGTERM drain.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
+import grpc
 import torch
 
 from decode_worker.decode_loop import DecodeLoop
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVLayout, make_receiver, make_sender
-from pdserve.grpc_common import add_health_and_reflection, new_server, run_until_signalled, set_serving
+from pdserve.cluster_auth.grpc_auth import server_interceptors
+from pdserve.cluster_auth.secret import warn_if_exposed
+from pdserve.grpc_common import MAX_MESSAGE_BYTES, add_health_and_reflection, run_until_signalled, set_serving
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
@@ -51,22 +55,32 @@ class WorkerServer:
         self.engine = await aio.run_in_executor(None, LLMEngine, config.engine)
         kv_cache = self.engine.runner.kv_cache
         layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name)
+        keys = config.auth.load()  # read here, in the worker's process: never carried in its arguments
+        warn_if_exposed(f"{config.role} worker gRPC", config.host, keys)
+        warn_if_exposed(f"{config.role} worker KV transfer", config.kv_transfer.host, keys)
+        kv_config = dataclasses.replace(config.kv_transfer, auth_key=keys.kv if keys else None)
         if config.role == "prefill":
-            self._transfer_side = await aio.run_in_executor(None, make_sender, kv_cache, layout, config.kv_transfer)
+            self._transfer_side = await aio.run_in_executor(None, make_sender, kv_cache, layout, kv_config)
             self._loop_thread = PrefillLoop(self.engine, aio, self._transfer_side)
         else:
-            self._transfer_side = await aio.run_in_executor(None, make_receiver, kv_cache, layout,
-                                                            config.kv_transfer)
+            self._transfer_side = await aio.run_in_executor(None, make_receiver, kv_cache, layout, kv_config)
             self._loop_thread = DecodeLoop(self.engine, aio, self._transfer_side, config.pull_timeout_s)
         kv_events = self._loop_thread.kv_events = KvEventLog(self.engine, aio)
         self._loop_thread.start()
-        self._server = new_server()
-        port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        self._server = grpc.aio.server(interceptors=server_interceptors(keys.grpc if keys else None),
+                                       options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        if config.tls.enabled:
+            port = self._server.add_secure_port(f"{config.host}:{config.port}", config.tls.server_credentials())
+        else:
+            port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = kv_events.worker = f"{_advertised_host(config)}:{port}"
         self._servicer = WorkerServicer(config, self._loop_thread, self.address,
                                         getattr(self._transfer_side, "backend_name", ""))
+        self._servicer.handle_key = keys.handle if keys else None
+        self._servicer.grpc_key = keys.grpc if keys else None
         worker_pb2_grpc.add_WorkerServicer_to_server(self._servicer, self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
         if config.metrics_port is not None:

@@ -12,6 +12,8 @@ import grpc
 
 from decode_worker.decode_loop import DecodeLoop, KVSource
 from engine.sampling_params import InvalidParameter
+from pdserve.cluster_auth import handles
+from pdserve.cluster_auth.grpc_auth import answer_challenge
 from pdserve.protocol import (
     FINISH_REASONS,
     chunk_from_delta,
@@ -33,6 +35,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.backend = backend
         self.draining = False
         self.in_flight = 0
+        self.grpc_key: bytes | None = None
+        """The cluster's token key: GetStats answers a router's challenge with a proof made with it."""
+        self.handle_key: bytes | None = None
+        """Decode: the cluster's handle key; with it, only router-signed KV handles are accepted."""
 
     # ---- RPCs -----------------------------------------------------------------
     async def Prefill(self, request, context):
@@ -62,7 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 response.kv.CopyFrom(worker_pb2.KVHandle(
                     peer_info_json=result.peer_info_json, transfer_id=result.transfer_id,
                     block_ids=result.block_ids, num_tokens=len(request.prompt_token_ids),
-                    worker_address=self.address))
+                    worker_address=self.address, capability=result.capability))
             return response
 
     async def Decode(self, request, context):
@@ -73,6 +79,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             params = await self._params(request.params, context)
             source = None
             if request.HasField("first_token_id"):
+                if self.handle_key is not None and not handles.verify(self.handle_key, request.kv,
+                                                                      request.prompt_token_ids):
+                    await _abort_with(context, InvalidParameter(
+                        "kv", "the handle is not signed by a router of this cluster for this prompt"))
                 try:
                     source = KVSource.from_handle(request.kv, request.first_token_id)
                 except InvalidParameter as exc:
@@ -113,6 +123,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return generate_pb2.AbortResponse(found=bool(found))
 
     async def GetStats(self, request, context):
+        await answer_challenge(context, self.grpc_key)  # the router checks we hold the cluster secret
         stats = dict(self.loop.stats)
         fields = set(worker_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
         return worker_pb2.WorkerStats(role=self.config.role, kv_transfer_backend=self.backend, draining=self.draining,

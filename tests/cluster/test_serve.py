@@ -9,8 +9,11 @@ import sys
 import time
 import urllib.request
 
+import grpc
 import psutil
+import pytest
 
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value, start
 
 
@@ -52,6 +55,14 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
         worker_metrics = dict(re.findall(r"(prefill|decode) worker metrics at (\S+)", "".join(proc.output)))
         assert metric_value(worker_metrics["decode"], "pdserve:generation_tokens_total", role="decode") >= 7
         assert metric_value(worker_metrics["prefill"], "pdserve:prompt_tokens_total", role="prefill") > 0
+        # Internal links are authenticated by default: a caller without the generated secret is refused.
+        line = next(x for x in proc.output if x.startswith("workers:"))
+        workers = re.findall(r"(?:prefill|decode) (\S+:\d+)", line)
+        assert len(workers) == 2
+        for address in workers:
+            with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
+                worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         code = proc.stop(signal.SIGINT, timeout=60)
     assert code == 0, "".join(proc.output[-30:])

@@ -33,7 +33,8 @@ def test_prefill_transfer_decode_equals_one_engine(smollm2_dir, backend):
     with make_sender(prefill.runner.kv_cache, layout, cfg) as sender, \
             make_receiver(decode.runner.kv_cache, layout, cfg) as receiver:
         lease = sender.expect("p", src_table, timeout_s=30)
-        pull = receiver.read(sender.peer_info(), "p", src_table[num_local:], dst_table[num_local:], timeout_s=30)
+        pull = receiver.read(sender.peer_info(), "p", src_table[num_local:], dst_table[num_local:], timeout_s=30,
+                             capability=lease.capability)
         assert pull.wait(30) == TransferState.DONE
         assert lease.wait(10) == TransferState.DONE  # the prefill side may now free
         assert pull.bytes_moved == (len(src_table) - num_local) * layout.block_nbytes

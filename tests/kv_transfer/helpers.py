@@ -24,6 +24,15 @@ def label(backend: str) -> str:
     """The ``backend_name`` a side built from a test backend name reports."""
     return "tcp-staged" if backend.startswith("tcp-staged") else backend
 
+#: Transfer id -> the capability a child sender issued for it (the router's job in a cluster:
+#: hand the capability from the prefill worker's handle to the decode worker).
+CAPABILITIES: dict[str, str] = {}
+
+
+def cap(transfer_id: str) -> str:
+    """The capability a child sender's ``expect`` issued for ``transfer_id``."""
+    return CAPABILITIES[transfer_id]
+
 
 class Peer:
     """Handle on a child process hosting one kv_transfer side."""
@@ -60,7 +69,10 @@ class Peer:
     def call(self, *cmd, timeout: float = 60):
         """Send a command and return its result."""
         self.conn.send(cmd)
-        return self._reply(timeout)
+        out = self._reply(timeout)
+        if cmd[0] in ("expect", "expect_many"):
+            CAPABILITIES.update(out)
+        return out
 
     def kill(self) -> None:
         """SIGKILL the child."""

@@ -156,15 +156,15 @@ def run_peer(conn, spec: dict, stalled, unstall) -> None:
             if cmd == "expect":
                 tid, ids, timeout = args
                 transfers[tid] = side.expect(tid, ids, timeout)
-                out = None
+                out = {tid: transfers[tid].capability}
             elif cmd == "expect_many":
                 items, timeout = args
                 for tid, ids in items:
                     transfers[tid] = side.expect(tid, ids, timeout)
-                out = None
+                out = {tid: transfers[tid].capability for tid, _ in items}
             elif cmd == "read":
-                info, tid, remote, local, timeout = args
-                transfers[tid] = side.read(info, tid, remote, local, timeout)
+                info, tid, remote, local, timeout, capability = args
+                transfers[tid] = side.read(info, tid, remote, local, timeout, capability=capability)
                 out = None
             elif cmd == "wait":
                 tid, timeout = args

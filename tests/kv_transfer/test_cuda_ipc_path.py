@@ -103,7 +103,7 @@ def test_unmappable_pool_falls_back_and_stays_exact(monkeypatch, thread_guard):
         assert info["modes"][0] == "cuda_ipc" and info["ipc_host"] == host_identity()
         for tid, remote, local in [("a", [9, 2, 14], [0, 5, 3]), ("b", [1, 0], [15, 8])]:
             st = sender.expect(tid, remote, 10)
-            t = recv.read(info, tid, remote, local, timeout_s=10)
+            t = recv.read(info, tid, remote, local, timeout_s=10, capability=st.capability)
             assert t.wait(10) == TransferState.DONE, t.error
             assert st.wait(10) == TransferState.DONE
             np.testing.assert_array_equal(dst[local], src[remote])

@@ -22,7 +22,7 @@ import pytest
 from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
 from kv_transfer.staging import NUM_SHARED_BUFFERS
 
-from .helpers import HAVE_NIXL, assert_no_leak
+from .helpers import HAVE_NIXL, assert_no_leak, cap
 from .peers import config_for, make_pool
 
 torch = pytest.importorskip("torch")
@@ -78,7 +78,7 @@ def test_cuda_pulls_bit_exact(backend, peers, thread_guard):
         before = pool.clone()
         sender.call("expect", tid, remote, 60)
         start = time.perf_counter()
-        t = recv.read(sender.peer_info, tid, remote, local, timeout_s=60)
+        t = recv.read(sender.peer_info, tid, remote, local, timeout_s=60, capability=cap(tid))
         assert t.wait(60) == TransferState.DONE, t.error
         elapsed = time.perf_counter() - start
         assert sender.call("wait", tid, 10) == (DONE, None)
@@ -127,7 +127,7 @@ def test_cuda_staged_abort_mid_pull_then_link_recovers(peers, thread_guard):
     recv = make_receiver(pool, layout, KVTransferConfig(backend="tcp"))
     ids = list(range(64))
     sender.call("expect", "a", ids, 60)
-    t = recv.read(sender.peer_info, "a", ids, ids, timeout_s=60)
+    t = recv.read(sender.peer_info, "a", ids, ids, timeout_s=60, capability=cap("a"))
     assert sender.stalled.wait(60)
     end = time.monotonic() + 10
     while t.poll() != TransferState.TRANSFERRING and time.monotonic() < end:
@@ -140,7 +140,7 @@ def test_cuda_staged_abort_mid_pull_then_link_recovers(peers, thread_guard):
     assert sender.call("wait", "a", 10)[0] == FAILED
     src = make_pool(layout, 128, 1, "cuda")
     sender.call("expect", "b", [70, 3, 99], 60)
-    t2 = recv.read(sender.peer_info, "b", [70, 3, 99], [5, 6, 100], timeout_s=60)
+    t2 = recv.read(sender.peer_info, "b", [70, 3, 99], [5, 6, 100], timeout_s=60, capability=cap("b"))
     assert t2.wait(60) == TransferState.DONE, t2.error
     assert torch.equal(_bits(pool, [5, 6, 100]), _bits(src, [70, 3, 99]))
     _close_and_check(recv)
@@ -156,7 +156,7 @@ def test_cuda_nixl_sender_serves_a_staged_receiver(peers, thread_guard):
     recv = make_receiver(pool, layout, KVTransferConfig(backend="tcp"))
     remote, local = [3, 40, 41, 42, 7], [0, 1, 2, 60, 30]
     sender.call("expect", "m", remote, 60)
-    t = recv.read(sender.peer_info, "m", remote, local, timeout_s=60)
+    t = recv.read(sender.peer_info, "m", remote, local, timeout_s=60, capability=cap("m"))
     assert t.wait(60) == TransferState.DONE, t.error
     assert sender.call("wait", "m", 10) == (DONE, None)
     assert torch.equal(_bits(pool, local), _bits(make_pool(layout, 64, 1, "cuda"), remote))
@@ -172,8 +172,8 @@ def test_cpu_and_cuda_pools_refuse_each_other(thread_guard):
     before = cuda_pool.clone()
     with make_sender(cpu_pool, cpu_layout, KVTransferConfig(backend="tcp")) as s, \
             make_receiver(cuda_pool, layout, KVTransferConfig(backend="tcp")) as r:
-        s.expect("x", [0])
-        t = r.read(s.peer_info(), "x", [0], [0], timeout_s=10)
+        lease = s.expect("x", [0])
+        t = r.read(s.peer_info(), "x", [0], [0], timeout_s=10, capability=lease.capability)
         assert t.wait(10) == TransferState.FAILED
         assert "device: ours='cpu' peer='cuda'" in t.error, t.error
     assert torch.equal(cuda_pool.view(torch.int16), before.view(torch.int16))

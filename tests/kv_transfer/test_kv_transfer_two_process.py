@@ -19,7 +19,7 @@ import pytest
 from kv_transfer import KVLayout, TransferState, make_receiver, make_sender
 from kv_transfer.staging import NUM_SHARED_BUFFERS
 
-from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak, label
+from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak, cap, label
 from .peers import SMOLLM2, block_digest, config_for, make_pool
 
 DONE, FAILED, TRANSFERRING = int(TransferState.DONE), int(TransferState.FAILED), int(TransferState.TRANSFERRING)
@@ -65,7 +65,7 @@ def test_blocks_arrive_bit_exact(backend, peers, thread_guard):
     for tid, remote, local in cases:
         before = block_digest(pool, layout.block_nbytes, range(64))
         sender.call("expect", tid, remote, 30)
-        t = recv.read(sender.peer_info, tid, remote, local, timeout_s=30)
+        t = recv.read(sender.peer_info, tid, remote, local, timeout_s=30, capability=cap(tid))
         assert t.wait(30) == TransferState.DONE, t.error
         assert sender.call("wait", tid, 10) == (DONE, None)
         after = block_digest(pool, layout.block_nbytes, range(64))
@@ -106,7 +106,7 @@ def test_staging_pipeline_bit_exact(sender_backend, receiver_backend, batch_bloc
     for tid, remote, local in cases:
         before = block_digest(pool, layout.block_nbytes, range(48))
         sender.call("expect", tid, remote, 30)
-        t = recv.read(sender.peer_info, tid, remote, local, timeout_s=30)
+        t = recv.read(sender.peer_info, tid, remote, local, timeout_s=30, capability=cap(tid))
         assert t.wait(30) == TransferState.DONE, t.error
         assert sender.call("wait", tid, 10) == (DONE, None)
         after = block_digest(pool, layout.block_nbytes, range(48))
@@ -131,19 +131,19 @@ def test_only_missing_blocks_move_and_unexposed_refused(backend, peers, thread_g
     exposed = [10, 11, 12, 13, 14, 15, 16, 17]
     # receiver already has the first five (prefix cache): it asks for the last three only
     sender.call("expect", "req", exposed, 30)
-    t = recv.read(sender.peer_info, "req", exposed[5:], [40, 41, 42], timeout_s=30)
+    t = recv.read(sender.peer_info, "req", exposed[5:], [40, 41, 42], timeout_s=30, capability=cap("req"))
     assert t.wait(30) == TransferState.DONE, t.error
     assert sender.call("wait", "req", 10) == (DONE, None)
     assert sender.call("stats")["bytes_moved"] == 3 * layout.block_nbytes
     # a block the sender did not expose for the transfer is refused, nothing moves
     before = block_digest(pool, layout.block_nbytes, [0])
     sender.call("expect", "req2", [1, 2], 30)
-    t = recv.read(sender.peer_info, "req2", [3], [0], timeout_s=30)
+    t = recv.read(sender.peer_info, "req2", [3], [0], timeout_s=30, capability=cap("req2"))
     assert t.wait(30) == TransferState.FAILED
     assert "not exposed" in t.error
     assert block_digest(pool, layout.block_nbytes, [0]) == before
     # an empty read is the "I have everything, free it" notification
-    t = recv.read(sender.peer_info, "req2", [], [], timeout_s=30)
+    t = recv.read(sender.peer_info, "req2", [], [], timeout_s=30, capability=cap("req2"))
     assert t.wait(30) == TransferState.DONE, t.error
     assert sender.call("wait", "req2", 10) == (DONE, None)
     assert recv.stats()["bytes_moved"] == 3 * layout.block_nbytes
@@ -159,7 +159,7 @@ def test_bfloat16_torch_tensors(backend, peers, thread_guard):
     pool, recv = _local(backend, layout, num_blocks=16, lib="torch")
     assert pool.dtype == torch.bfloat16
     sender.call("expect", "bf", [15, 0, 7], 30)
-    t = recv.read(sender.peer_info, "bf", [15, 0, 7], [1, 2, 3], timeout_s=30)
+    t = recv.read(sender.peer_info, "bf", [15, 0, 7], [1, 2, 3], timeout_s=30, capability=cap("bf"))
     assert t.wait(30) == TransferState.DONE, t.error
     src = make_pool(layout, 16, 3, "torch")
     assert torch.equal(pool[1:4].view(torch.int16), src[[15, 0, 7]].view(torch.int16))
@@ -174,7 +174,7 @@ def test_incompatible_peer_refused(backend, peers, thread_guard):
     pool, recv = _local(backend, layout)
     before = block_digest(pool, layout.block_nbytes, range(4))
     sender.call("expect", "x", [0, 1, 2, 3], 30)
-    t = recv.read(sender.peer_info, "x", [0, 1, 2, 3], [0, 1, 2, 3], timeout_s=30)
+    t = recv.read(sender.peer_info, "x", [0, 1, 2, 3], [0, 1, 2, 3], timeout_s=30, capability=cap("x"))
     assert t.wait(30) == TransferState.FAILED
     assert "incompatible KV layout" in t.error and "dtype" in t.error, t.error
     assert block_digest(pool, layout.block_nbytes, range(4)) == before
@@ -198,7 +198,7 @@ def test_sender_killed_mid_transfer(backend, peers, thread_guard):
     pool, recv = _local(backend, layout)
     ids = list(range(32))
     sender.call("expect", "k", ids, 30)
-    t = recv.read(sender.peer_info, "k", ids, ids, timeout_s=10)
+    t = recv.read(sender.peer_info, "k", ids, ids, timeout_s=10, capability=cap("k"))
     assert sender.stalled.wait(20)
     assert _wait_state(t, TransferState.TRANSFERRING) == TransferState.TRANSFERRING
     sender.kill()
@@ -217,7 +217,7 @@ def test_stalled_sender_fails_at_deadline(backend, peers, thread_guard):
     pool, recv = _local(backend, layout)
     ids = list(range(32))
     sender.call("expect", "s", ids, 30)
-    t = recv.read(sender.peer_info, "s", ids, ids, timeout_s=2.0)
+    t = recv.read(sender.peer_info, "s", ids, ids, timeout_s=2.0, capability=cap("s"))
     assert sender.stalled.wait(20)
     assert t.wait(10) == TransferState.FAILED
     assert "deadline" in t.error, t.error
@@ -238,7 +238,7 @@ def test_receiver_killed_mid_transfer(backend, peers, thread_guard):
     recv = peers("receiver", backend, seed=2, fault="stall_in_pull")
     ids = list(range(32))
     t = send.expect("r", ids, timeout_s=10)
-    recv.call("read", send.peer_info(), "r", ids, ids, 10)
+    recv.call("read", send.peer_info(), "r", ids, ids, 10, t.capability)
     assert recv.stalled.wait(30)
     assert _wait_state(t, TransferState.TRANSFERRING) == TransferState.TRANSFERRING
     recv.kill()
@@ -256,7 +256,7 @@ def test_abort_mid_transfer(backend, peers, thread_guard):
     pool, recv = _local(backend, layout)
     ids = list(range(32))
     sender.call("expect", "a", ids, 30)
-    t = recv.read(sender.peer_info, "a", ids, ids, timeout_s=30)
+    t = recv.read(sender.peer_info, "a", ids, ids, timeout_s=30, capability=cap("a"))
     assert sender.stalled.wait(20)
     assert _wait_state(t, TransferState.TRANSFERRING) == TransferState.TRANSFERRING
     start = time.monotonic()
@@ -271,7 +271,7 @@ def test_abort_mid_transfer(backend, peers, thread_guard):
     # the link recovers: the next transfer to the same sender works
     sender.call("expect", "b", [1], 30)
     sender.call("unstall")
-    t2 = recv.read(sender.peer_info, "b", [1], [1], timeout_s=30)
+    t2 = recv.read(sender.peer_info, "b", [1], [1], timeout_s=30, capability=cap("b"))
     assert t2.wait(30) == TransferState.DONE, t2.error
     _close_and_check(recv)
     sender.close_and_check()
@@ -287,7 +287,7 @@ def test_sender_abort_and_expiry_refuse_later_reads(backend, peers, thread_guard
     sender.call("expect", "late", [3], 0.2)
     assert sender.call("wait", "late", 5)[0] == FAILED  # lease expired
     for tid in ("gone", "late"):
-        t = recv.read(sender.peer_info, tid, [1 if tid == "gone" else 3], [0], timeout_s=30)
+        t = recv.read(sender.peer_info, tid, [1 if tid == "gone" else 3], [0], timeout_s=30, capability=cap(tid))
         assert t.wait(30) == TransferState.FAILED
         assert "unknown, finished or expired" in t.error
     assert_no_leak(sender.call("stats"))
@@ -306,7 +306,7 @@ def test_thousand_small_transfers_no_leak(backend, peers, thread_guard):
     for i in range(n):
         if i == 100:
             rss_warm = _rss_bytes()
-        t = recv.read(sender.peer_info, f"t{i}", [i % 32], [(i * 7) % 32], timeout_s=30)
+        t = recv.read(sender.peer_info, f"t{i}", [i % 32], [(i * 7) % 32], timeout_s=30, capability=cap(f"t{i}"))
         assert t.wait(30) == TransferState.DONE, t.error
     elapsed = time.monotonic() - start
     assert _rss_bytes() - rss_warm < 16 << 20, "receiver memory grows with transfers"
@@ -329,7 +329,7 @@ def test_mixed_backends_meet_on_tcp(sender_backend, receiver_backend, peers, thr
     layout = KVLayout(**sender.layout)
     pool, recv = _local(receiver_backend, layout, num_blocks=16)
     sender.call("expect", "m", [3, 9, 4], 30)
-    t = recv.read(sender.peer_info, "m", [3, 9, 4], [0, 5, 1], timeout_s=30)
+    t = recv.read(sender.peer_info, "m", [3, 9, 4], [0, 5, 1], timeout_s=30, capability=cap("m"))
     assert t.wait(30) == TransferState.DONE, t.error
     assert sender.call("wait", "m", 10) == (DONE, None)
     assert (block_digest(pool, layout.block_nbytes, [0, 5, 1])
@@ -347,7 +347,7 @@ def test_queued_reads_and_abort_while_queued(backend, peers, thread_guard):
     pool, recv = _local(backend, layout)
     plans = {f"q{i}": ([2 * i, 2 * i + 1], [40 + 2 * i, 41 + 2 * i]) for i in range(4)}
     sender.call("expect_many", [(tid, remote) for tid, (remote, _) in plans.items()], 30)
-    ts = {tid: recv.read(sender.peer_info, tid, remote, local, timeout_s=30)
+    ts = {tid: recv.read(sender.peer_info, tid, remote, local, timeout_s=30, capability=cap(tid))
           for tid, (remote, local) in plans.items()}
     assert sender.stalled.wait(20)  # q0 is held up at the sender; q1..q3 wait behind it
     assert ts["q1"].poll() == TransferState.WAITING
@@ -377,7 +377,7 @@ def test_sender_abort_mid_transfer(backend, peers, thread_guard):
     pool, recv = _local(backend, layout)
     ids = list(range(32))
     sender.call("expect", "sa", ids, 30)
-    t = recv.read(sender.peer_info, "sa", ids, ids, timeout_s=30)
+    t = recv.read(sender.peer_info, "sa", ids, ids, timeout_s=30, capability=cap("sa"))
     assert sender.stalled.wait(20)
     assert _wait_state(t, TransferState.TRANSFERRING) == TransferState.TRANSFERRING
     state, error = sender.call("abort", "sa")

@@ -144,15 +144,15 @@ def test_sender_restart_drops_stale_peer(backend, thread_guard):
     r = make_receiver(dst, LAYOUT, cfg)
     s1 = make_sender(src, LAYOUT, cfg)
     port = s1.port
-    s1.expect("a", [0])
-    assert r.read(s1.peer_info(), "a", [0], [0]).wait(30) == TransferState.DONE
+    lease = s1.expect("a", [0])
+    assert r.read(s1.peer_info(), "a", [0], [0], capability=lease.capability).wait(30) == TransferState.DONE
     old_info = s1.peer_info()
     s1.close()
     s2 = make_sender(src, LAYOUT, config_for(backend, port=port))
-    s2.expect("b", [1])
-    t = r.read(old_info, "b", [1], [1], timeout_s=10)
+    lease = s2.expect("b", [1])
+    t = r.read(old_info, "b", [1], [1], timeout_s=10, capability=lease.capability)
     assert t.wait(10) == TransferState.FAILED  # stale handle: never silently served by s2
-    t = r.read(s2.peer_info(), "b", [1], [1], timeout_s=10)
+    t = r.read(s2.peer_info(), "b", [1], [1], timeout_s=10, capability=lease.capability)
     assert t.wait(30) == TransferState.DONE, t.error
     assert dst[1].tobytes() == src[1].tobytes()
     stats = r.stats()
@@ -245,7 +245,7 @@ def test_auto_without_nixl_stages_a_cuda_pool_and_says_why(fake_cuda, no_nixl, c
             assert "CUDA KV moves through pinned host staging buffers" in side.selection_reason
         assert s.peer_info()["modes"] == ["tcp"]
         lease = s.expect("c", [7, 0, 3, 4, 5])
-        t = r.read(s.peer_info(), "c", [7, 0, 3, 4, 5], [1, 2, 6, 5, 0], timeout_s=30)
+        t = r.read(s.peer_info(), "c", [7, 0, 3, 4, 5], [1, 2, 6, 5, 0], timeout_s=30, capability=lease.capability)
         assert t.wait(30) == TransferState.DONE, t.error
         assert lease.wait(10) == TransferState.DONE
         assert dst[[1, 2, 6, 5, 0]].tobytes() == src[[7, 0, 3, 4, 5]].tobytes()
@@ -263,10 +263,10 @@ def test_cpu_and_cuda_pools_refuse_each_other(fake_cuda, thread_guard):
     before = dst.tobytes()
     with make_sender(src, cuda_layout, KVTransferConfig(backend="tcp")) as s, \
             make_receiver(dst, LAYOUT, KVTransferConfig(backend="tcp")) as r:
-        s.expect("x", [0])
-        t = r.read(s.peer_info(), "x", [0], [0], timeout_s=10)
+        lease = s.expect("x", [0])
+        t = r.read(s.peer_info(), "x", [0], [0], timeout_s=10, capability=lease.capability)
         assert t.wait(10) == TransferState.FAILED
-        assert "incompatible KV layout (device: ours='cuda' peer='cpu')" in t.error, t.error
+        assert "incompatible KV layout (differs in: device)" in t.error, t.error
     assert dst.tobytes() == before
 
 
@@ -322,8 +322,8 @@ def test_cuda_copier_code_on_cpu_tensors(shm, gather, fake_cuda, monkeypatch, th
     remote, local = [11, 0, 1, 2, 6, 7, 3], [4, 5, 6, 0, 1, 9, 10]
     with make_sender(src, layout, cfg) as s, make_receiver(dst, layout, cfg) as r:
         assert s.backend_name == r.backend_name == "tcp-staged"
-        s.expect("g", remote)
-        t = r.read(s.peer_info(), "g", remote, local, timeout_s=30)
+        lease = s.expect("g", remote)
+        t = r.read(s.peer_info(), "g", remote, local, timeout_s=30, capability=lease.capability)
         assert t.wait(30) == TransferState.DONE, t.error
         assert r.stats()["shm_mapped"] == (NUM_SHARED_BUFFERS if shm else 0)
     assert torch.equal(dst[local].view(torch.int16), src[remote].view(torch.int16))

@@ -51,10 +51,24 @@ def connect(peer) -> socket.socket:
     return socket.create_connection((peer.peer_info["host"], peer.peer_info["port"]), timeout=5)
 
 
+def auth_msg() -> bytes:
+    """Step 0 of the handshake (what a stranger can send before proving anything)."""
+    return frame({"type": "auth", "version": PROTOCOL_VERSION, "nonce": "0" * 32})
+
+
 def hello(peer) -> bytes:
+    """The hello of an unauthenticated cluster (the sender has no key: the proof is empty)."""
     layout = KVLayout(**peer.layout)
-    return frame({"type": "hello", "version": PROTOCOL_VERSION, "backend": "tcp",
+    return frame({"type": "hello", "version": PROTOCOL_VERSION, "backend": "tcp", "proof": "",
                   "compat_hash": peer.peer_info["compat_hash"], "layout": layout.to_dict()})
+
+
+def handshake(sock: socket.socket, peer) -> None:
+    """auth -> challenge -> hello, as a receiver without a key does."""
+    sock.sendall(auth_msg())
+    sock.settimeout(5)
+    assert b"challenge" in sock.recv(4096)
+    sock.sendall(hello(peer))
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:
@@ -71,14 +85,18 @@ def test_oversized_messages_refused_without_allocating(peers):
     pid = sender.proc.pid
     before = rss_bytes(pid)
     attacks = {
-        "payload before hello": frame({"type": "hello", "payload": HUGE}),  # ~30 bytes
+        "payload before auth": frame({"type": "auth", "payload": HUGE}),  # ~30 bytes
         "header length": struct.pack("!I", (16 << 20) - 1),
-        "payload after hello": hello(sender) + frame({"type": "read", "tid": "x", "blocks": [], "payload": HUGE}),
-        "negative payload": frame({"type": "hello", "payload": -1}),
+        "header over the pre-auth cap": struct.pack("!I", 4097),
+        "payload after hello": None,
+        "negative payload": frame({"type": "auth", "payload": -1}),
         "not an object": frame([1, 2, 3]),
     }
     for name, data in attacks.items():
         with connect(sender) as sock:
+            if data is None:
+                handshake(sock, sender)
+                data = frame({"type": "read", "tid": "x", "blocks": [], "payload": HUGE})
             sock.sendall(data)
             time.sleep(0.3)
             grown = rss_bytes(pid) - before
@@ -102,8 +120,7 @@ def test_connection_cap(peers):
     idle.pop().close()
     assert wait_for(lambda: sender.call("stats")["connections"] == 3)
     with connect(sender) as again:
-        again.sendall(hello(sender))
-        again.settimeout(5)
+        handshake(again, sender)
         assert b"hello_ok" in again.recv(65536)
     for sock in idle:
         sock.close()
@@ -116,7 +133,7 @@ def test_connections_without_a_hello_are_closed(peers):
     silent = connect(sender)
     trickle = connect(sender)
     started = time.monotonic()
-    data = hello(sender)
+    data = auth_msg()
     closed_at = None
     for i in range(len(data)):  # a byte every 0.2 s: each recv is quick, the hello never completes in time
         try:
@@ -159,7 +176,7 @@ def test_accept_loop_survives_a_thread_that_cannot_start(monkeypatch, thread_gua
             assert closed_by_peer(first, 5.0)  # its thread never started: closed, not leaked
         assert failures and sender.stats()["connections"] == 0
         lease = sender.expect("t1", [1, 2], timeout_s=10)
-        t = receiver.read(sender.peer_info(), "t1", [1, 2], [3, 4], timeout_s=10)
+        t = receiver.read(sender.peer_info(), "t1", [1, 2], [3, 4], timeout_s=10, capability=lease.capability)
         assert t.wait(10) == TransferState.DONE and lease.wait(10) == TransferState.DONE
         assert block_digest(dst, layout.block_nbytes, [3, 4]) == block_digest(src, layout.block_nbytes, [1, 2])
     finally:

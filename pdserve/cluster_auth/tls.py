@@ -1,0 +1,51 @@
+"""Mutual TLS on router -> worker gRPC, from PEM files (encryption + certificate identity).
+
+Workers: `--tls-cert/--tls-key/--tls-ca` serve with `require_client_auth` (a caller must present a
+certificate signed by the CA). Router: `--worker-tls-cert/--worker-tls-key/--worker-tls-ca` dial
+workers with its client certificate and verify theirs (their certificate must name the address
+dialed, e.g. an IP SAN). Independent of the cluster secret, which still gates every call (tokens)
+and the KV channel; the KV transfer data path itself is not encrypted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(frozen=True)
+class InternalTLSConfig:
+    """PEM files of one side of router <-> worker mTLS: all three or none (validated, readable)."""
+
+    cert_file: str | None = None
+    """This process's certificate chain."""
+    key_file: str | None = None
+    """Its private key."""
+    ca_file: str | None = None
+    """CA certificate(s) the peer's certificate must chain to."""
+
+    def __post_init__(self) -> None:
+        given = [f for f in (self.cert_file, self.key_file, self.ca_file) if f]
+        if given and len(given) != 3:
+            raise ValueError("TLS needs a certificate, its key and a CA file together (or none of them)")
+        for path in given:
+            if not Path(path).is_file():
+                raise ValueError(f"TLS file {path!r} is not a readable file")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    def _read(self) -> tuple[bytes, bytes, bytes]:
+        return tuple(Path(f).read_bytes() for f in (self.cert_file, self.key_file, self.ca_file))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Worker side: our certificate, and callers must present one signed by the CA."""
+        cert, key, ca = self._read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Router side: verify the worker against the CA, present our certificate."""
+        cert, key, ca = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)

@@ -1,0 +1,132 @@
+"""The HMAC helpers alone, no network: secret files, derived keys, gRPC tokens, handle signatures,
+the KV handshake proofs and capabilities."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kv_transfer import auth as kv_auth
+from pdserve.cluster_auth import ClusterAuthConfig, ClusterKeys, handles, tokens, write_secret_file
+from pdserve.cluster_auth.secret import ENV_FILE, ENV_VALUE, secret_file_for_cluster
+from pdserve.protocol import worker_pb2
+
+KEYS = ClusterKeys.from_secret(b"s" * 32)
+OTHER = ClusterKeys.from_secret(b"t" * 32)
+
+
+def test_secret_file_is_private_random_and_loads(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    monkeypatch.delenv(ENV_VALUE, raising=False)
+    a, b = write_secret_file(str(tmp_path)), write_secret_file(str(tmp_path))
+    assert stat.S_IMODE(os.stat(a).st_mode) == 0o600
+    assert open(a).read() != open(b).read() and len(open(a).read()) == 64
+    keys = ClusterAuthConfig(a).load()
+    assert keys == ClusterKeys.from_secret(open(a, "rb").read())
+    assert len({keys.kv, keys.grpc, keys.handle}) == 3, "one key per purpose"
+    assert "kv=" not in repr(keys) and open(a).read() not in repr(keys)
+    assert ClusterAuthConfig().load() is None  # nothing configured: unauthenticated
+
+
+def test_secret_from_env_and_validation(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    monkeypatch.setenv(ENV_VALUE, "x" * 40)
+    assert ClusterAuthConfig().load() == ClusterKeys.from_secret(b"x" * 40)
+    path = secret_file_for_cluster(ClusterAuthConfig(), str(tmp_path))  # `serve`: env secret -> a file
+    assert open(path, "rb").read() == b"x" * 40
+    path_file = write_secret_file(str(tmp_path))
+    monkeypatch.setenv(ENV_FILE, path_file)
+    assert ClusterAuthConfig().load() == ClusterKeys.from_secret(open(path_file, "rb").read())
+    with pytest.raises(ValueError, match="not a readable file"):
+        ClusterAuthConfig(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="at least 16"):
+        ClusterKeys.from_secret(b"short")
+
+
+def test_grpc_tokens():
+    method = "/pdserve.v1.Worker/Prefill"
+    token = tokens.mint(KEYS.grpc, method, now=1000)
+    assert tokens.check(KEYS.grpc, method, token, now=1000)
+    assert tokens.check(KEYS.grpc, method, token, now=1000 + tokens.MAX_SKEW_S)
+    assert not tokens.check(KEYS.grpc, method, token, now=1000 + tokens.MAX_SKEW_S + 1)  # too old
+    assert not tokens.check(KEYS.grpc, "/pdserve.v1.Worker/Decode", token, now=1000)  # other method
+    assert not tokens.check(OTHER.grpc, method, token, now=1000)  # other secret
+    forged = token[:-1] + ("0" if token[-1] != "0" else "1")
+    assert not tokens.check(KEYS.grpc, method, forged, now=1000)
+    for junk in (None, "", "v1", "v1.x.y.z", "v2" + token[2:], 5, "v1." + "9" * 400):
+        assert not tokens.check(KEYS.grpc, method, junk, now=1000)
+    assert tokens.mint(KEYS.grpc, method, now=1000) != token  # fresh nonce per call
+
+
+def _handle(**changes) -> worker_pb2.KVHandle:
+    fields = dict(peer_info_json='{"host":"10.0.0.1","port":5}', transfer_id="req-1", capability="ab" * 16,
+                  block_ids=[3, 4, 5], num_tokens=40, worker_address="10.0.0.1:7")
+    return worker_pb2.KVHandle(**{**fields, **changes})
+
+
+def test_handle_signature_binds_every_field_and_the_prompt():
+    prompt = list(range(40))
+    signed = _handle()
+    handles.sign(KEYS.handle, signed, prompt)
+    assert len(signed.signature) == 32
+    assert handles.verify(KEYS.handle, signed, prompt)
+    assert not handles.verify(OTHER.handle, signed, prompt)
+    assert not handles.verify(KEYS.handle, signed, prompt[:-1] + [99])  # another prompt
+    for change in (dict(peer_info_json='{"host":"evil","port":5}'), dict(transfer_id="req-2"),
+                   dict(capability="cd" * 16), dict(block_ids=[3, 4, 6]), dict(num_tokens=41),
+                   dict(worker_address="10.0.0.2:7")):
+        tampered = _handle(**change)
+        tampered.signature = signed.signature
+        assert not handles.verify(KEYS.handle, tampered, prompt), change
+    unsigned = _handle()
+    assert not handles.verify(KEYS.handle, unsigned, prompt)
+
+
+def test_kv_handshake_proofs_and_capabilities():
+    nr, ns = kv_auth.new_nonce(), kv_auth.new_nonce()
+    p = kv_auth.proof(KEYS.kv, "receiver", nr, ns)
+    assert kv_auth.proof_ok(KEYS.kv, "receiver", nr, ns, p)
+    assert not kv_auth.proof_ok(KEYS.kv, "sender", nr, ns, p)  # a reflected proof is not the sender's
+    assert not kv_auth.proof_ok(OTHER.kv, "receiver", nr, ns, p)
+    assert not kv_auth.proof_ok(KEYS.kv, "receiver", nr, kv_auth.new_nonce(), p)  # replay on a new nonce
+    assert not kv_auth.proof_ok(KEYS.kv, "receiver", nr, ns, "")
+    assert not kv_auth.proof_ok(KEYS.kv, "receiver", "short", ns, p)
+    # without a key on this side only an empty proof passes: a keyed peer is not "authenticated"
+    assert kv_auth.proof(None, "receiver", nr, ns) == ""
+    assert kv_auth.proof_ok(None, "receiver", nr, ns, "") and not kv_auth.proof_ok(None, "receiver", nr, ns, p)
+    cap = kv_auth.new_capability()
+    assert len(cap) == 32 and cap != kv_auth.new_capability()
+    assert kv_auth.capability_ok(cap, cap)
+    assert not kv_auth.capability_ok(cap, cap[:-1] + "x") and not kv_auth.capability_ok(cap, "")
+    assert not kv_auth.capability_ok(cap, None) and not kv_auth.capability_ok("", "")
+
+
+def test_binding_beyond_loopback_without_a_secret_warns(caplog):
+    from pdserve.cluster_auth.secret import warn_if_exposed
+    with caplog.at_level("WARNING", logger="pdserve.cluster_auth.secret"):
+        warn_if_exposed("decode worker gRPC", "127.0.0.1", None)
+        warn_if_exposed("decode worker gRPC", "0.0.0.0", KEYS)
+        assert not caplog.records
+        warn_if_exposed("decode worker gRPC", "0.0.0.0", None)
+    assert "without authentication" in caplog.records[0].getMessage()
+
+
+def test_worker_proof():
+    proof = tokens.worker_proof(KEYS.grpc, "c" * 32)
+    assert tokens.worker_proof_ok(KEYS.grpc, "c" * 32, proof)
+    assert not tokens.worker_proof_ok(KEYS.grpc, "d" * 32, proof)
+    assert not tokens.worker_proof_ok(OTHER.grpc, "c" * 32, proof)
+    assert not tokens.worker_proof_ok(KEYS.grpc, "c" * 32, None)
+
+
+def test_tls_config_wants_all_three_files(tmp_path):
+    from pdserve.cluster_auth.tls import InternalTLSConfig
+    pem = tmp_path / "x.pem"
+    pem.write_text("x")
+    assert not InternalTLSConfig().enabled
+    assert InternalTLSConfig(str(pem), str(pem), str(pem)).enabled
+    with pytest.raises(ValueError, match="together"):
+        InternalTLSConfig(str(pem), str(pem))
+    with pytest.raises(ValueError, match="not a readable file"):
+        InternalTLSConfig(str(pem), str(pem), str(tmp_path / "missing.pem"))
