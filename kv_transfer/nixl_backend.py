@@ -29,7 +29,8 @@ from .config import KVTransferConfig
 from .layout import KVLayout
 from .memory import KVRegion
 from .nixl_agent import SPIN_S, NixlAgent, ProgressPump, block_descs
-from .receiver import ControlReceiver, PeerLink
+from .peer_link import PeerLink
+from .receiver import ControlReceiver
 from .sender import ControlSender
 from .transfer import Transfer
 

@@ -114,7 +114,7 @@ def _install_fault(fault: str, stalled, unstall) -> None:
         ControlSender._handle_read = handle_read
     elif fault == "stall_in_pull":  # receiver hangs while pulling
         import kv_transfer.nixl_backend as nb
-        import kv_transfer.receiver as rc
+        import kv_transfer.peer_link as rc
         orig_tcp_pull = rc.pull_blocks
 
         def tcp_pull(*a, **k):

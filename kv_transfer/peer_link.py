@@ -1,0 +1,305 @@
+"""A receiver's link to one sender instance: its control connection and worker thread.
+
+Each link runs its queued transfers in order:
+
+    queued -> connect + HMAC handshake + hello (once per connection) -> ``read`` ->
+    ``grant`` (TRANSFERRING) -> the data path pulls the bytes -> ``done``
+    [-> ``ack``] -> DONE
+
+Data paths: ``tcp`` (streamed on the connection, or through the sender's shared
+staging buffers on one host), ``cuda_ipc`` (copied out of the sender's mapped
+pool) or the backend's own (``ControlReceiver._pull``, e.g. a NIXL READ).
+Abort or deadline during a pull shuts the connection down (that interrupts any
+blocking I/O at once, and tells the sender to free); the next transfer on the
+link reconnects, as does a transfer on a link idle for half the sender's idle
+timeout (the sender may be about to close it). The sender proves it holds the
+cluster key before its ``hello_ok`` (and any payload over ``PRE_AUTH_MAX_BYTES``)
+is read.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import auth
+from .cuda_ipc import MappedPool, host_identity
+from .errors import IncompatiblePeerError, TransferRefusedError
+from .layout import PROTOCOL_VERSION
+from .shm_buffer import PeerBuffer, can_map_from
+from .tcp_path import pull_blocks
+from .transfer import Transfer
+from .wire import recv_msg, send_msg, tune_socket
+
+if TYPE_CHECKING:
+    from .receiver import ControlReceiver
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+
+#: Shared staging buffers of one sender kept mapped (its stagers in use at once, two buffers each).
+MAX_PEER_BUFFERS = 32
+
+
+class _IpcUnusable(Exception):
+    """The sender's pool could not be mapped here (the link falls back to another path)."""
+
+
+class PeerLink:
+    """Control connection + worker thread for one sender instance."""
+
+    def __init__(self, owner: ControlReceiver, peer_info: dict[str, Any], mode: str) -> None:
+        self.owner = owner
+        self.peer_info = peer_info
+        self.mode = mode
+        #: The sender's pool mapped here (``cuda_ipc`` mode), kept across reconnects to one instance.
+        self.mapped: MappedPool | None = None
+        #: The sender shares its staging buffers with us (same host): staged blocks skip the socket.
+        self.shm = False
+        self.peer_buffers: dict[tuple, PeerBuffer] = {}
+        self.host = str(peer_info["host"])
+        self.port = int(peer_info["port"])
+        self.instance_id = peer_info.get("instance_id")
+        self.sock: socket.socket | None = None
+        self.last_used = 0.0
+        """``time.monotonic()`` of the last message on the connection."""
+        self.hello: dict = {}
+        self.backend_state: Any = None
+        self._queue: collections.deque[Transfer] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kv-recv-{self.host}:{self.port}")
+        self._thread.start()
+
+    def submit(self, t: Transfer) -> None:
+        """Queue ``t``; the worker picks it up in order."""
+        with self._cond:
+            self._queue.append(t)
+            self._cond.notify()
+
+    def interrupt(self) -> None:
+        """Break any blocking I/O on the connection (used by abort/deadline)."""
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def disconnect(self) -> None:
+        """Close the connection; the next transfer reconnects."""
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        """Fail queued transfers, stop the worker, drop backend peer state."""
+        with self._cond:
+            self._closed = True
+            queued = list(self._queue)
+            self._queue.clear()
+            self._cond.notify()
+        for t in queued:
+            t.fail("receiver closed")
+        self.interrupt()
+        self._thread.join(timeout=5)
+        self.disconnect()
+        self._unmap()
+        self.owner._forget_peer(self)
+
+    def _map_peer_buffer(self, desc: dict) -> PeerBuffer:
+        """The sender's shared staging buffer ``desc`` mapped here (cached per buffer)."""
+        key = (int(desc["pid"]), int(desc["fd"]))
+        buf = self.peer_buffers.get(key)
+        if buf is not None and buf.key[2] == int(desc["inode"]) and buf.nbytes == int(desc["nbytes"]):
+            return buf
+        if buf is not None:  # that fd now holds another buffer
+            self.peer_buffers.pop(key).close()
+        if len(self.peer_buffers) >= MAX_PEER_BUFFERS:
+            self.peer_buffers.pop(next(iter(self.peer_buffers))).close()
+        buf = self.peer_buffers[key] = PeerBuffer(desc, pin=self.owner.staging.copier_pins)
+        return buf
+
+    def _unmap(self) -> None:
+        buffers, self.peer_buffers = list(self.peer_buffers.values()), {}
+        for buf in buffers:
+            buf.close()
+        mapped, self.mapped = self.mapped, None
+        if mapped is not None:
+            try:
+                mapped.close()
+            except Exception:
+                logger.exception("unmapping the CUDA IPC pool of %s:%s", self.host, self.port)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                t = self._queue.popleft()
+            try:
+                self._run_one(t)
+            except Exception as e:  # never let the worker die
+                logger.exception("transfer %s: unexpected error", t.transfer_id)
+                self.disconnect()
+                t.fail(f"internal error: {e!r}")
+
+    def _connect(self, t: Transfer) -> None:
+        timeout = max(0.001, min(self.owner.config.connect_timeout_s, t.remaining()))
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        try:
+            tune_socket(sock, self.owner.config.socket_buffer_bytes)
+            layout = self.owner.layout
+            proof = self._authenticate(sock)
+            staging = self.owner.staging
+            shm_host = {"shm_host": host_identity()} if staging is not None and staging.shared else {}
+            send_msg(sock, {"type": "hello", "version": PROTOCOL_VERSION, "proof": proof,
+                            "backend": self.mode, **shm_host,
+                            "compat_hash": layout.compat_hash(), "layout": layout.to_dict()})
+            hello, payload = recv_msg(sock, max_payload=self.owner.config.max_handshake_payload_bytes)
+            if hello.get("type") == "refuse":
+                raise IncompatiblePeerError(f"sender refused the handshake: {hello.get('reason')}")
+            if hello.get("type") != "hello_ok":
+                raise IncompatiblePeerError(f"unexpected handshake reply {hello.get('type')!r}")
+            if self.instance_id and hello.get("instance_id") != self.instance_id:
+                raise IncompatiblePeerError(
+                    "sender restarted (instance id changed): its KV handle is stale")
+            if self.mode == "cuda_ipc":
+                self._map(hello)
+            elif self.mode != "tcp":
+                self.owner._on_connected(self, hello, payload)
+        except _IpcUnusable as e:
+            sock.close()
+            self._fall_back(t, str(e))
+            return
+        except BaseException:
+            sock.close()
+            raise
+        self.hello = hello
+        self.shm = self.mode == "tcp" and bool(hello.get("shm_pid")) and can_map_from(hello["shm_pid"])
+        self.sock = sock
+        self.last_used = time.monotonic()
+
+    def _authenticate(self, sock: socket.socket) -> str:
+        """Step 0 of the handshake: check the sender's proof, return ours (see :mod:`kv_transfer.auth`)."""
+        key = self.owner.config.auth_key
+        nonce_r = auth.new_nonce()
+        send_msg(sock, {"type": "auth", "version": PROTOCOL_VERSION, "nonce": nonce_r})
+        reply, _ = recv_msg(sock, auth.PRE_AUTH_MAX_BYTES)
+        if reply.get("type") == "refuse":
+            raise IncompatiblePeerError(f"sender refused the handshake: {str(reply.get('reason'))[:200]}")
+        if reply.get("type") != "challenge":
+            raise IncompatiblePeerError(f"unexpected handshake reply {str(reply.get('type'))[:40]!r}")
+        nonce_s = reply.get("nonce")
+        if not auth.proof_ok(key, "sender", nonce_r, nonce_s, reply.get("proof")):
+            raise IncompatiblePeerError(
+                "the sender failed authentication (wrong cluster secret)" if key is not None and reply.get("proof")
+                else "the sender and this receiver disagree on authentication (cluster secret on one side only)")
+        return auth.proof(key, "receiver", nonce_r, nonce_s)
+
+    def _map(self, hello: dict) -> None:
+        if self.mapped is not None:
+            return  # same sender instance (checked above): its pool is still mapped
+        try:
+            self.mapped = MappedPool(hello, self.owner.region)
+        except Exception as e:
+            raise _IpcUnusable(f"cannot map the sender's pool: {e}") from e
+
+    def _fall_back(self, t: Transfer, why: str) -> None:
+        """CUDA IPC did not work with this sender: use the next data path, for good."""
+        self.owner._ipc_refused.add(str(self.instance_id))
+        mode = self.owner._mode_for(self.peer_info)
+        logger.warning("kv_transfer: CUDA IPC with %s:%s unusable (%s); using %s", self.host, self.port, why, mode)
+        self.mode = mode
+        self._connect(t)
+
+    def _run_one(self, t: Transfer) -> None:
+        if t.state.is_terminal:  # aborted or expired while queued: let the sender free
+            self._send_abort(t)
+            return
+        if self.sock is not None and time.monotonic() - self.last_used > self.owner.config.idle_timeout_s / 2:
+            self.disconnect()  # the sender may be closing it as idle: start afresh
+        if self.sock is None:
+            try:
+                self._connect(t)
+            except (OSError, IncompatiblePeerError, ValueError) as e:
+                t.fail(f"cannot connect to {self.host}:{self.port}: {e}")
+                return
+        remote = t.remote_block_ids
+        if any(b >= int(self.hello["num_blocks"]) for b in remote):
+            t.fail(f"remote block id out of range [0, {self.hello['num_blocks']})")
+            self._send_abort(t)
+            return
+        t.set_interrupt(lambda _t: self.interrupt())
+        if not t.begin_io():
+            t.set_interrupt(None)
+            self._send_abort(t)
+            return
+        error: str | None = None
+        nbytes = 0
+        try:
+            sock = self.sock
+            sock.settimeout(max(0.001, t.remaining()))
+            self.last_used = time.monotonic()
+            send_msg(sock, {"type": "read", "tid": t.transfer_id, "cap": t.capability, "blocks": remote,
+                            "shm": self.shm})
+            reply, _ = recv_msg(sock)
+            if reply.get("type") == "refuse_read":
+                raise TransferRefusedError(f"sender refused the read: {reply.get('reason')}")
+            if reply.get("type") != "grant" or reply.get("tid") != t.transfer_id:
+                raise ConnectionError(f"unexpected reply {reply}")
+            t.set_transferring()
+            if self.mode == "tcp":
+                nbytes = pull_blocks(sock, self.owner.region, t, reply, self.owner.staging,
+                                     self._map_peer_buffer if self.shm else None)
+            elif self.mode == "cuda_ipc":
+                nbytes = self.owner._ipc.pull(self.mapped, remote, list(t.block_ids))
+                self.owner._ipc_pulls += 1
+            else:
+                nbytes = self.owner._pull(self, t, reply)
+            send_msg(sock, {"type": "done", "tid": t.transfer_id})
+            if self.mode != "tcp":
+                ack, _ = recv_msg(sock)
+                if ack.get("type") != "ack" or ack.get("tid") != t.transfer_id:
+                    raise ConnectionError(f"unexpected reply {ack}")
+                if not ack.get("ok"):
+                    raise TransferRefusedError(f"sender no longer held the blocks: {ack.get('reason')}")
+        except TransferRefusedError as e:
+            error = str(e)
+        except (OSError, ConnectionError, ValueError, InterruptedError) as e:
+            error = ("deadline exceeded" if isinstance(e, socket.timeout)
+                     else f"connection to sender lost: {e!r}")
+            self.disconnect()
+        finally:
+            t.set_interrupt(None)
+            t.end_io()
+        if error is None:
+            t.succeed(nbytes)
+        else:
+            t.fail(error)
+
+    def _send_abort(self, t: Transfer) -> None:
+        if self.sock is None:
+            if t.remaining() <= 0:
+                return  # expired: the sender's own lease deadline frees it
+            try:
+                self._connect(t)
+            except Exception:
+                return
+        try:
+            self.last_used = time.monotonic()
+            send_msg(self.sock, {"type": "abort", "tid": t.transfer_id, "cap": t.capability,
+                                 "reason": t.error or ""})
+        except OSError:
+            self.disconnect()
