@@ -26,12 +26,15 @@ ceiling of the staging path's copies. (``tcp-staged`` on ``--device cpu`` runs
 the staging pipeline on host pools: its cost over plain ``tcp``.)
 
     PYTHONPATH=. .venv/bin/python bench/kv_transfer_bench.py \
-        [--device cpu|cuda] [--backends nixl,tcp[,tcp-staged][,tcp-auth,nixl-auth]] [--dtype bfloat16] \
+        [--device cpu|cuda] [--backends nixl,tcp[,tcp-staged][,tcp-auth,nixl-auth,tcp-auth-tls]] \
+        [--dtype bfloat16] \
         [--sizes 1,16,256,4096] [--json bench/results/kv_transfer.json]
 
 A ``-auth`` backend runs with a cluster key on both sides (issue #20): the HMAC challenge-response
 on each new connection and a capability on each read. For TCP variants the bench also times a new
 connection + handshake + one-block pull (a fresh receiver per sample): the per-connection price.
+A ``-tls`` backend (``tcp-tls``, ``tcp-auth-tls``) speaks mutual TLS 1.3 on the control connection
+and the data stream, with certificates of a throwaway CA made for the run: the price of encryption.
 
 Every child process and every pipe read is bounded by a timeout.
 """
@@ -46,6 +49,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -95,13 +99,20 @@ def _config(backend: str, tuning: dict | None = None) -> KVTransferConfig:
     ``cuda-ipc``: the same-host CUDA IPC mode (on a TCP side); every other row has it off,
     so each row measures its own path. ``tcp-socket``: staged blocks through the socket even
     on one host (as between hosts); plain ``tcp`` shares the staging buffers on one host.
-    A ``-auth`` suffix: both sides hold a cluster key (HMAC challenge-response on every connection)."""
-    base, auth = backend.removesuffix("-auth"), backend.endswith("-auth")
-    tuning = {**(tuning or {}), "auth_key": BENCH_KEY if auth else None}
+    ``nixl-pool``: NIXL with the whole pool registered once (``nixl`` registers each lease).
+    A ``-auth`` suffix: both sides hold a cluster key (HMAC challenge-response on every connection);
+    ``-tls`` (after it, if both): mutual TLS 1.3 with the certificate in ``tuning["tls"]``."""
+    tuning = dict(tuning or {})
+    tls_files = tuning.pop("tls", None)
+    base, tls = backend.removesuffix("-tls"), backend.endswith("-tls")
+    base, auth = base.removesuffix("-auth"), base.endswith("-auth")
+    tuning.update(auth_key=BENCH_KEY if auth else None, tls=tls_files if tls else None)
     if base == "tcp-staged":
         return KVTransferConfig(backend="tcp", staging="always", cuda_ipc=False, **tuning)
     if base == "cuda-ipc":
         return KVTransferConfig(backend="tcp", cuda_ipc=True, **tuning)
+    if base == "nixl-pool":  # the whole pool registered once, vs the default per-lease registration
+        return KVTransferConfig(backend="nixl", cuda_ipc=False, nixl_expose="pool", **tuning)
     if base == "tcp-socket":
         return KVTransferConfig(backend="tcp", cuda_ipc=False, staging_shm=False, **tuning)
     return KVTransferConfig(backend=base, cuda_ipc=False, **tuning)
@@ -258,7 +269,7 @@ def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], po
         if backend.startswith("cuda-ipc") != (results["cuda_ipc_pulls"] > 0):
             raise RuntimeError(f"{backend}: {results['cuda_ipc_pulls']} pulls went over CUDA IPC")
         if not backend.startswith("nixl"):  # a fresh receiver per sample: its agent would dominate
-            results["handshake"] = _time_handshakes(conn, proc, info, backend, layout, recv_pool)
+            results["handshake"] = _time_handshakes(conn, proc, info, backend, layout, recv_pool, tuning)
         recv.close()
         conn.send(None)
         leak = _recv(conn, proc)
@@ -275,15 +286,16 @@ def run_backend(backend: str, layout: KVLayout, cases: list[tuple[str, int]], po
         conn.close()
 
 
-def _time_handshakes(conn, proc, info: dict, backend: str, layout: KVLayout, recv_pool) -> dict:
+def _time_handshakes(conn, proc, info: dict, backend: str, layout: KVLayout, recv_pool, tuning: dict) -> dict:
     """Connect + handshake + a one-block pull on a new connection (a fresh receiver), the cost a
-    decode worker pays once per prefill worker: with ``-auth`` it includes the HMAC exchange."""
+    decode worker pays once per prefill worker: with ``-auth`` it includes the HMAC exchange,
+    with ``-tls`` the TLS handshake."""
     plan = [(f"hs-{backend}-{i}", [i % 8]) for i in range(HANDSHAKES + 2)]
     conn.send(plan)
     caps = _recv(conn, proc)
     times = []
     for i, (tid, ids) in enumerate(plan):
-        recv = make_receiver(recv_pool, layout, _config(backend))
+        recv = make_receiver(recv_pool, layout, _config(backend, tuning))
         try:
             t0 = time.perf_counter()
             t = recv.read(info, tid, ids, ids, timeout_s=PULL_TIMEOUT_S, capability=caps[tid])
@@ -351,7 +363,8 @@ def cuda_references(layout: KVLayout, cases: list[tuple[str, int]], pool_blocks:
 def _print_cpu(out: dict, dtype: str, block_nbytes: int) -> None:
     print(f"kv_transfer benchmark: {dtype}, block = {block_nbytes:,} bytes "
           f"(SmolLM2-135M, 16 tokens), random non-contiguous block ids, median of reps, every pull verified")
-    print("(-auth: both sides hold a cluster key; HMAC challenge-response per connection, capability per read)")
+    print("(-auth: both sides hold a cluster key; HMAC challenge-response per connection, capability per read;"
+          " -tls: mutual TLS 1.3 on the connection)")
     head = f"{'blocks':>8} {'MB':>9} {'memcpy GB/s':>12} {'pvm_readv':>10}"
     for b in out["backends"]:
         head += f" {b + ' GB/s':>10} {b + ' ms':>10} {'%memcpy':>8}"
@@ -412,6 +425,11 @@ def main() -> None:
     cuda = args.device == "cuda"
     tuning = {"socket_buffer_bytes": int(args.socket_buffer_mb * (1 << 20)),
               "staging_chunk_bytes": int(args.staging_chunk_mb * (1 << 20))}
+    if "-tls" in (args.backends or ""):
+        from kv_transfer import KVTLSFiles
+        from pdserve.cluster_auth.dev_pki import make_cluster_pki
+        worker = make_cluster_pki(tempfile.mkdtemp(prefix="kv-bench-pki-"))["worker"]
+        tuning["tls"] = KVTLSFiles(worker.cert, worker.key, worker.ca)
     if cuda:
         import torch
         if not torch.cuda.is_available():
@@ -430,7 +448,8 @@ def main() -> None:
     recv_pool = _pool(layout, pool_blocks, 2)
     host = {"cpus": os.cpu_count(), "python": platform.python_version()}
     out = {"device": args.device, "layout": layout.to_dict(), "block_nbytes": layout.block_nbytes,
-           "pool_blocks": pool_blocks, "host": host, "tuning": tuning, "backends": {}}
+           "pool_blocks": pool_blocks, "host": host, "backends": {},
+           "tuning": {k: v for k, v in tuning.items() if k != "tls"}}
     if cuda:
         import torch
         host.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)

@@ -10,10 +10,11 @@ from .errors import BackendUnavailableError, IncompatiblePeerError, KVTransferEr
 from .factory import make_receiver, make_sender
 from .layout import PROTOCOL_VERSION, KVLayout
 from .state import TransferState
+from .tls import KVTLSFiles
 from .transfer import Transfer
 
 __all__ = [
-    "BackendUnavailableError", "IncompatiblePeerError", "KVLayout", "KVReceiver", "KVSender",
+    "BackendUnavailableError", "IncompatiblePeerError", "KVLayout", "KVReceiver", "KVSender", "KVTLSFiles",
     "KVTransferConfig", "KVTransferError", "PROTOCOL_VERSION", "Transfer", "TransferRefusedError",
     "TransferState", "make_receiver", "make_sender",
 ]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import socket
 
+from .tls import KVTLSFiles
+
 BACKENDS = ("auto", "nixl", "tcp")
 STAGING = ("auto", "always")
+NIXL_EXPOSE = ("lease", "pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,9 @@ class KVTransferConfig:
     """Key of the control channel's HMAC handshake (derived from the cluster secret, at least 16
     bytes; both sides need the same). None: the link is not authenticated (a loopback-only
     cluster) and a peer that does authenticate is refused."""
+    tls: KVTLSFiles | None = None
+    """Mutual TLS 1.3 on the control connection and the TCP data path (see :mod:`kv_transfer.tls`);
+    both sides must agree. None: plaintext (the HMAC handshake still authenticates)."""
     max_handshake_payload_bytes: int = 4 << 20
     """Largest payload a receiver accepts in the sender's ``hello_ok`` (NIXL agent metadata, KBs)."""
     abort_wait_s: float = 2.0
@@ -49,6 +55,12 @@ class KVTransferConfig:
     """NIXL backend plugins to create in the agent."""
     nixl_progress_thread: bool = False
     """Let NIXL run its own progress thread (off: progress on ``check_xfer_state``)."""
+    nixl_expose: str = "lease"
+    """What a NIXL sender registers for its peers to READ. ``"lease"``: only the blocks of each
+    granted transfer, registered at the grant (their metadata rides on it) and deregistered when
+    the transfer ends, so a peer holds keys to nothing else (about 50 us a grant on CPU).
+    ``"pool"``: the whole pool once, at start (a peer that passed the handshake can READ any block
+    while connected: for networks where every peer is trusted)."""
     nixl_self_test: bool = True
     """With ``backend="auto"``, run a loopback NIXL transfer before choosing NIXL."""
     cuda_ipc: bool = True
@@ -81,6 +93,8 @@ class KVTransferConfig:
             raise ValueError("max_connections and max_connections_per_peer must be >= 1")
         if self.auth_key is not None and (not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16):
             raise ValueError("auth_key must be bytes, at least 16 of them")
+        if self.tls is not None and not isinstance(self.tls, KVTLSFiles):
+            raise ValueError("tls must be a KVTLSFiles (certificate, key and CA files) or None")
         if self.max_handshake_payload_bytes < 0:
             raise ValueError("max_handshake_payload_bytes must be >= 0")
         if self.socket_buffer_bytes != 0 and self.socket_buffer_bytes < 4096:
@@ -89,6 +103,8 @@ class KVTransferConfig:
             raise ValueError(f"staging must be one of {STAGING}, got {self.staging!r}")
         if self.staging_chunk_bytes <= 0:
             raise ValueError("staging_chunk_bytes must be > 0")
+        if self.nixl_expose not in NIXL_EXPOSE:
+            raise ValueError(f"nixl_expose must be one of {NIXL_EXPOSE}, got {self.nixl_expose!r}")
         if not self.nixl_backends:
             raise ValueError("nixl_backends must name at least one backend")
         object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))

@@ -1,15 +1,32 @@
 """NIXL backend: the receiver READs the sender's registered KV memory via UCX.
 
-Both pools are registered once (DRAM for CPU memory, VRAM for CUDA tensors, with
-the GPU made current in every thread that calls NIXL; the self-test then also
-READs VRAM). On one host UCX moves VRAM between two processes with ``cuda_ipc``.
-Descriptor lists with one entry per block are prepared once: the local pool at
-construction, a sender's pool when the receiver first connects to it. A
-transfer is then ``make_prepped_xfer("READ", local, local_ids, remote,
-remote_ids)`` - no per-request registration.
+The receiver's pool is registered once (DRAM for CPU memory, VRAM for CUDA
+tensors, with the GPU made current in every thread that calls NIXL; the
+self-test then also READs VRAM) and prepared as a descriptor list with one entry
+per block. On one host UCX moves VRAM between two processes with ``cuda_ipc``.
 
-Metadata travels on our control connection (``hello_ok`` carries the sender's
-agent metadata), so the KV handle stays a small JSON dict. The completion
+What the sender exposes (``KVTransferConfig.nixl_expose``):
+
+- ``"lease"`` (default): nothing at start. At each grant the sender registers
+  just the granted blocks (runs of consecutive ids as one range), and the
+  ``grant`` carries the partial agent metadata of that registration (its
+  remote keys); the registration ends with the transfer (done, abort, expiry,
+  lost connection). A peer never holds a key to a block it was not granted,
+  nor to a granted block after its lease. We chose this over the alternative
+  (prefill WRITEs into blocks the decode side registered) because the pull
+  model keeps the decode worker in charge of when its blocks are written and
+  needs no second registration on the decode side; the price is a
+  registration per grant (about 50 us on CPU, bench/kv_transfer_bench.py).
+  How much a key's bounds are enforced is the transport's: RDMA NICs check
+  them in hardware and revoke them on deregistration; same-host transports
+  (``cma``, CUDA IPC) rest on the OS (ptrace rights, one pod's namespaces).
+- ``"pool"``: the whole pool registered once and its descriptor list prepared
+  once per sender on the receiver (trusted networks only).
+
+A transfer is then ``make_prepped_xfer("READ", local, local_ids, remote,
+remote_ids)``. Metadata travels on our control connection (``hello_ok`` carries
+the sender's agent metadata, the grant a lease's), so the KV handle stays a
+small JSON dict. The completion
 notification to the sender is the control protocol's ``done``, answered by an
 ``ack`` that tells the receiver whether the sender still held the blocks for
 the whole READ (a NIXL notification alone cannot tell the reader that).
@@ -25,10 +42,13 @@ import socket
 import time
 from typing import Any
 
+import numpy as np
+
 from .config import KVTransferConfig
 from .layout import KVLayout
 from .memory import KVRegion
 from .nixl_agent import SPIN_S, NixlAgent, ProgressPump, block_descs
+from .nixl_lease import LeaseRegistry, SenderKeys
 from .peer_link import PeerLink
 from .receiver import ControlReceiver
 from .sender import ControlSender
@@ -53,9 +73,10 @@ class NixlSender(ControlSender):
         try:
             if region.is_cuda:
                 self.nixl.use_cuda(region.device_id)
-            self._reg = self.nixl.register(region.addr, region.nbytes, region.device_id,
-                                           _mem_type(region))
-            self._metadata = self.nixl.agent.get_agent_metadata()
+            if config.nixl_expose == "pool":
+                self.nixl.register(region.addr, region.nbytes, region.device_id, _mem_type(region))
+            self._leases = LeaseRegistry(self.nixl, region, _mem_type(region))
+            self._metadata = self.nixl.agent.get_agent_metadata()  # "lease": connection info only
         except Exception:
             self.nixl.close()
             raise
@@ -77,7 +98,15 @@ class NixlSender(ControlSender):
         r = self.region
         self._pump.keep_alive_for(2.0)  # the receiver's UCX wire-up needs our progress
         return ({"agent_name": self.nixl.name, "base_addr": r.addr, "mem_type": _mem_type(r),
-                 "device_id": r.device_id}, self._metadata)
+                 "device_id": r.device_id, "expose": self.config.nixl_expose}, self._metadata)
+
+    def _grant_payload(self, t: Transfer, block_ids: list[int]) -> bytes:
+        """``"lease"``: register the granted blocks until ``t`` ends; their metadata rides on the grant."""
+        if self.config.nixl_expose != "lease" or not block_ids:
+            return b""
+        metadata = self._leases.acquire(block_ids)
+        t.add_finish_hook(lambda _t: self._leases.release(block_ids))
+        return metadata
 
     def _serve_grant(self, sock: socket.socket, t: Transfer, block_ids: list[int]) -> None:
         t.granted_nbytes = len(block_ids) * self.region.block_nbytes
@@ -85,10 +114,14 @@ class NixlSender(ControlSender):
         t.add_finish_hook(lambda _t: self._pump.release())
 
     def _backend_stats(self) -> dict[str, int]:
-        return self.nixl.stats() if self.nixl.agent is not None else {"registered_regions": 0}
+        if self.nixl.agent is None:
+            return {"registered_regions": 0}
+        stats = self.nixl.stats()
+        return {**stats, "registered_regions": stats["registered_regions"] + self._leases.num_registered}
 
     def _close_backend(self) -> None:
         self._pump.close()
+        self._leases.clear()
         self.nixl.close()
 
 
@@ -111,6 +144,8 @@ class NixlReceiver(ControlReceiver):
         except Exception:
             self.nixl.close()
             raise
+        self._lease_resets = 0
+        """Reloads of a sender's metadata because a lease touched blocks we held keys for."""
         super().__init__(kv_cache, layout, config)  # only now the reaper thread starts
 
     def self_test(self) -> None:
@@ -128,9 +163,10 @@ class NixlReceiver(ControlReceiver):
             self.nixl.remove_remote(name)
         self.nixl.add_remote(payload)
         try:
-            prep = self.nixl.prep(name, block_descs(int(hello["base_addr"]), int(hello["block_nbytes"]),
-                                                     int(hello["num_blocks"]), int(hello["device_id"])),
-                                  str(hello["mem_type"]))
+            # "lease": nothing to prepare until a grant brings the keys of its blocks
+            prep = SenderKeys(name, payload) if hello.get("expose") == "lease" else self.nixl.prep(
+                name, block_descs(int(hello["base_addr"]), int(hello["block_nbytes"]),
+                                  int(hello["num_blocks"]), int(hello["device_id"])), str(hello["mem_type"]))
             link.backend_state = (name, prep)
             with self.nixl.lock:
                 self.nixl.agent.make_connection(name)
@@ -144,19 +180,36 @@ class NixlReceiver(ControlReceiver):
             return
         name, prep = link.backend_state
         link.backend_state = None
-        self.nixl.release_prep(prep)
+        if not isinstance(prep, SenderKeys):
+            self.nixl.release_prep(prep)
         self.nixl.remove_remote(name)
 
     def _forget_peer(self, link: PeerLink) -> None:
         if self.nixl.agent is not None:
             self._drop_remote(link)
 
-    def _pull(self, link: PeerLink, t: Transfer, grant: dict) -> int:
+    def _pull(self, link: PeerLink, t: Transfer, grant: dict, payload: bytes) -> int:
         if not t.block_ids:
             return 0
-        _, remote_prep = link.backend_state
-        handle, st = self.nixl.start_read(self._local, list(t.block_ids), remote_prep,
-                                          t.remote_block_ids)
+        name, state = link.backend_state
+        if not isinstance(state, SenderKeys):  # "pool": prepared once per sender
+            return self._read(link, t, state, t.remote_block_ids)
+        if not payload:
+            raise ConnectionError("the grant carries no NIXL metadata")
+        self._lease_resets += state.load(self.nixl, t.remote_block_ids, payload)
+        h = link.hello
+        remote = np.asarray(t.remote_block_ids, dtype=np.uint64)
+        descs = block_descs(int(h["base_addr"]), int(h["block_nbytes"]), int(h["num_blocks"]), int(h["device_id"]))
+        lease_prep = self.nixl.prep(name, descs[remote], str(h["mem_type"]))
+        try:
+            return self._read(link, t, lease_prep, list(range(len(remote))))
+        finally:
+            self.nixl.release_prep(lease_prep)
+
+    def _read(self, link: PeerLink, t: Transfer, remote_prep: Any, remote_ids: list[int]) -> int:
+        """READ ``remote_ids`` of ``remote_prep`` into ``t``'s local blocks, watching for stop,
+        deadline and a sender that hangs up."""
+        handle, st = self.nixl.start_read(self._local, list(t.block_ids), remote_prep, remote_ids)
         settled = False
         try:
             # Without a progress thread the copy itself (UCX cma: process_vm_readv) runs
@@ -186,7 +239,8 @@ class NixlReceiver(ControlReceiver):
         return len(t.block_ids) * self.region.block_nbytes
 
     def _backend_stats(self) -> dict[str, int]:
-        return self.nixl.stats() if self.nixl.agent is not None else {"registered_regions": 0}
+        stats = self.nixl.stats() if self.nixl.agent is not None else {"registered_regions": 0}
+        return {**stats, "nixl_lease_resets": self._lease_resets}
 
     def _close_backend(self) -> None:
         self.nixl.close()

@@ -32,8 +32,9 @@ from .errors import IncompatiblePeerError, TransferRefusedError
 from .layout import PROTOCOL_VERSION
 from .shm_buffer import PeerBuffer, can_map_from
 from .tcp_path import pull_blocks
+from .tls import wrap_client
 from .transfer import Transfer
-from .wire import recv_msg, send_msg, tune_socket
+from .wire import recv_msg, send_msg, shutdown_quietly, tune_socket
 
 if TYPE_CHECKING:
     from .receiver import ControlReceiver
@@ -84,21 +85,13 @@ class PeerLink:
 
     def interrupt(self) -> None:
         """Break any blocking I/O on the connection (used by abort/deadline)."""
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shutdown_quietly(self.sock)
 
     def disconnect(self) -> None:
         """Close the connection; the next transfer reconnects."""
         sock, self.sock = self.sock, None
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown_quietly(sock)
             sock.close()
 
     def close(self) -> None:
@@ -157,9 +150,16 @@ class PeerLink:
 
     def _connect(self, t: Transfer) -> None:
         timeout = max(0.001, min(self.owner.config.connect_timeout_s, t.remaining()))
+        sender_tls = self.peer_info.get("tls") is True
+        if sender_tls != (self.owner.tls is not None):
+            raise IncompatiblePeerError("the sender requires TLS on KV links and this receiver has no KV TLS files"
+                                        if sender_tls else "this receiver requires TLS on KV links; the sender "
+                                        "does not speak it")
         sock = socket.create_connection((self.host, self.port), timeout=timeout)
         try:
             tune_socket(sock, self.owner.config.socket_buffer_bytes)
+            if self.owner.tls is not None:
+                sock = wrap_client(self.owner.tls, sock)
             layout = self.owner.layout
             proof = self._authenticate(sock)
             staging = self.owner.staging
@@ -254,7 +254,7 @@ class PeerLink:
             self.last_used = time.monotonic()
             send_msg(sock, {"type": "read", "tid": t.transfer_id, "cap": t.capability, "blocks": remote,
                             "shm": self.shm})
-            reply, _ = recv_msg(sock)
+            reply, payload = recv_msg(sock, max_payload=self.owner.config.max_handshake_payload_bytes)
             if reply.get("type") == "refuse_read":
                 raise TransferRefusedError(f"sender refused the read: {reply.get('reason')}")
             if reply.get("type") != "grant" or reply.get("tid") != t.transfer_id:
@@ -267,7 +267,7 @@ class PeerLink:
                 nbytes = self.owner._ipc.pull(self.mapped, remote, list(t.block_ids))
                 self.owner._ipc_pulls += 1
             else:
-                nbytes = self.owner._pull(self, t, reply)
+                nbytes = self.owner._pull(self, t, reply, payload)
             send_msg(sock, {"type": "done", "tid": t.transfer_id})
             if self.mode != "tcp":
                 ack, _ = recv_msg(sock)

@@ -38,6 +38,8 @@ class ControlReceiver(KVReceiver):
         self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes,
                                     shared=config.staging_shm)
         #: Copies out of same-host senders' mapped CUDA pools (``cuda_ipc`` mode), if possible here.
+        #: Client side of the links' TLS (None: plaintext).
+        self.tls = config.tls.context(server_side=False) if config.tls is not None else None
         self._ipc = self._make_ipc_puller()
         self._ipc_refused: set[str] = set()
         self._ipc_pulls = 0
@@ -60,7 +62,7 @@ class ControlReceiver(KVReceiver):
     def _on_connected(self, link: PeerLink, hello: dict, payload: bytes) -> None:
         """Handshake succeeded: set up backend state for this peer."""
 
-    def _pull(self, link: PeerLink, t: Transfer, grant: dict) -> int:
+    def _pull(self, link: PeerLink, t: Transfer, grant: dict, payload: bytes) -> int:
         """Non-tcp mode: move the granted blocks into ``t``'s local blocks; returns bytes."""
         raise NotImplementedError
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -49,8 +50,9 @@ from .memory import KVRegion
 from .staging import make_staging
 from .state import TransferState
 from .tcp_path import serve_blocks
+from .tls import wrap_server
 from .transfer import Transfer, TransferTable
-from .wire import MAX_HEADER, MessageTooLarge, PeerClosed, recv_msg, send_msg, tune_socket
+from .wire import MAX_HEADER, MessageTooLarge, PeerClosed, recv_msg, send_msg, shutdown_quietly, tune_socket
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -84,6 +86,7 @@ class ControlSender(KVSender):
         self._num_auth_failed = 0
         #: A ``read`` names at most every block once: its header needs at most this much.
         self._max_header = MAX_HEADER + self.region.num_blocks * (len(str(self.region.num_blocks)) + 1)
+        self._tls = config.tls.context(server_side=True) if config.tls is not None else None
         self._listener = socket.create_server((config.host, config.port), backlog=64)
         self.port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -94,6 +97,10 @@ class ControlSender(KVSender):
     def _hello_extra(self, mode: str) -> tuple[dict, bytes]:
         """Backend fields (and payload) added to ``hello_ok`` for a ``mode`` connection."""
         return {}, b""
+
+    def _grant_payload(self, t: Transfer, block_ids: list[int]) -> bytes:
+        """Backend payload of the ``grant`` of ``block_ids`` on a non-tcp, non-cuda_ipc connection."""
+        return b""
 
     def _serve_grant(self, sock: socket.socket, t: Transfer, block_ids: list[int]) -> None:
         """After ``grant`` on a non-tcp connection (the receiver reads by itself)."""
@@ -123,6 +130,7 @@ class ControlSender(KVSender):
             "instance_id": self.instance_id,
             "protocol_version": PROTOCOL_VERSION,
             "compat_hash": self.layout.compat_hash(),
+            "tls": self._tls is not None,
             **({"ipc_host": self._ipc_export["ipc_host"]} if self._ipc_export else {}),
         }
 
@@ -158,14 +166,14 @@ class ControlSender(KVSender):
         if self._closed:
             return
         self._closed = True
-        _shutdown(self._listener)
+        shutdown_quietly(self._listener)
         self._listener.close()
         self._accept_thread.join(timeout=2)
         self._table.close("sender closed")
         with self._lock:
             conns = list(self._conns.items())
         for sock, _ in conns:
-            _shutdown(sock)
+            shutdown_quietly(sock)
         for _, thread in conns:
             thread.join(timeout=2)
         if self.staging is not None:
@@ -258,10 +266,22 @@ class ControlSender(KVSender):
             return None
         return hello
 
+    def _start_tls(self, sock: socket.socket) -> socket.socket:
+        """The TLS handshake (when configured); the wrapped socket takes the plain one's place."""
+        if self._tls is None:
+            return sock
+        wrapped = wrap_server(self._tls, sock, self.config.connect_timeout_s)
+        with self._lock:
+            self._conns[wrapped] = self._conns.pop(sock)
+            self._peer_of[wrapped] = self._peer_of.pop(sock)
+        return wrapped
+
     def _serve_conn(self, sock: socket.socket) -> None:
         granted: dict[str, Transfer] = {}
         try:
-            hello = self._authenticate(sock, time.monotonic() + self.config.connect_timeout_s)
+            deadline = time.monotonic() + self.config.connect_timeout_s
+            sock = self._start_tls(sock)
+            hello = self._authenticate(sock, deadline)
             if hello is None:
                 return
             problem = self._check_hello(hello)
@@ -306,6 +326,8 @@ class ControlSender(KVSender):
                     raise ConnectionError(f"unexpected message {kind!r}")
         except MessageTooLarge as e:
             logger.warning("dropping a receiver connection: %s", e)
+        except ssl.SSLError as e:
+            logger.warning("refusing a receiver at %s: TLS failed (%s)", _peer_name(sock), e.reason or e)
         except TimeoutError:
             logger.info("closing a receiver connection idle for %.0fs", self.config.idle_timeout_s)
         except (PeerClosed, OSError, ValueError, InterruptedError) as e:
@@ -316,7 +338,7 @@ class ControlSender(KVSender):
         finally:
             for t in granted.values():
                 t.request_stop("receiver connection lost")
-            _shutdown(sock)
+            shutdown_quietly(sock)
             sock.close()
             with self._lock:
                 self._conns.pop(sock, None)
@@ -348,7 +370,8 @@ class ControlSender(KVSender):
             return
         granted[tid] = t
         ids = [int(b) for b in blocks]
-        send_msg(sock, {"type": "grant", "tid": tid, "nbytes": len(ids) * self.region.block_nbytes})
+        payload = self._grant_payload(t, ids) if mode not in ("tcp", "cuda_ipc") else b""
+        send_msg(sock, {"type": "grant", "tid": tid, "nbytes": len(ids) * self.region.block_nbytes}, payload)
         if mode == "tcp":
             serve_blocks(sock, self.region, t, ids, self.staging, shm)
         elif mode == "cuda_ipc":  # the receiver copies out of its mapping, then says done
@@ -379,9 +402,3 @@ def _peer_name(sock: socket.socket) -> str:
     except OSError:
         return "?"
 
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -40,14 +40,7 @@ from typing import Any
 from .memory import KVRegion
 from .staging import NUM_BUFFERS, Stager, StagingPool, split_batches
 from .transfer import Transfer
-from .wire import recv_into_views, recv_msg, send_msg, send_views
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+from .wire import recv_into_views, recv_msg, send_msg, send_views, shutdown_quietly
 
 
 def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: list[int],
@@ -55,7 +48,7 @@ def serve_blocks(sock: socket.socket, region: KVRegion, t: Transfer, block_ids: 
     """Sender: stream ``block_ids`` of ``region`` (staged when ``staging`` is given; through
     shared buffers when ``shm`` too); counts the bytes on ``t``."""
     stager = staging.acquire() if staging is not None and block_ids else None
-    t.set_interrupt(lambda _t: _shutdown(sock))
+    t.set_interrupt(lambda _t: shutdown_quietly(sock))
     if not t.begin_io():
         t.set_interrupt(None)
         if stager is not None:

@@ -4,13 +4,15 @@ A message is a 4-byte big-endian length, a JSON header, then optionally
 ``header["payload"]`` raw bytes. Bulk block data is written with
 ``socket.sendmsg`` straight from memoryviews of the KV memory and read with
 ``socket.recvmsg_into`` straight into the destination blocks: no Python-level
-copy of block bytes on either side.
+copy of block bytes on either side. On a TLS connection (no scatter-gather there)
+each view is written and read whole by the TLS layer, still without a copy in Python.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 import time
 
@@ -18,6 +20,7 @@ _LEN = struct.Struct("!I")
 MAX_HEADER = 64 << 10
 """Default bound of a message's JSON header (a sender allows more for reads of many blocks)."""
 _IOV_BATCH = 512  # below IOV_MAX (1024 on Linux)
+_TLS_CHUNK = 4 << 20
 
 
 class PeerClosed(ConnectionError):
@@ -69,6 +72,8 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
 
 def send_views(sock: socket.socket, views: list[memoryview], should_stop=None) -> int:
     """Send every byte of ``views`` with scatter-gather ``sendmsg``; returns bytes sent."""
+    if isinstance(sock, ssl.SSLSocket):
+        return _send_views_tls(sock, views, should_stop)
     total = 0
     i, pending = 0, list(views)
     while i < len(pending):
@@ -94,11 +99,26 @@ def recv_into_views(sock: socket.socket, views: list[memoryview], should_stop=No
             if left <= 0:
                 raise TimeoutError("deadline passed")
             sock.settimeout(left)
-        got = sock.recvmsg_into(pending[i:i + _IOV_BATCH])[0]
+        if isinstance(sock, ssl.SSLSocket):  # one TLS record at most per call
+            got = sock.recv_into(pending[i])
+        else:
+            got = sock.recvmsg_into(pending[i:i + _IOV_BATCH])[0]
         if got == 0:
             raise PeerClosed("peer closed the connection")
         total += got
         i = _advance(pending, i, got)
+    return total
+
+
+def _send_views_tls(sock: ssl.SSLSocket, views: list[memoryview], should_stop) -> int:
+    total = 0
+    for view in views:
+        for start in range(0, view.nbytes, _TLS_CHUNK):  # checks ``should_stop`` every few MB
+            if should_stop is not None and should_stop():
+                raise InterruptedError("stopped")
+            chunk = view[start:start + _TLS_CHUNK]
+            sock.sendall(chunk)
+            total += chunk.nbytes
     return total
 
 
@@ -125,3 +145,14 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
         except OSError:
             pass
+
+
+def shutdown_quietly(sock: socket.socket | None) -> None:
+    """Shut both directions of ``sock`` down, ignoring errors; safe from another thread while one
+    blocks in I/O on it (also for TLS: the plain socket's shutdown, leaving the TLS state alone)."""
+    if sock is None:
+        return
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except (OSError, ValueError):
+        pass

@@ -62,6 +62,9 @@ def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:
                                                         "--tls-key and --tls-ca: callers must present a cert from it)")
         p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
         p.add_argument("--tls-ca", default=None, help="PEM CA that callers' (the routers') certificates chain to")
+        p.add_argument("--no-kv-tls", dest="kv_tls", action="store_false",
+                       help="with --tls-*: keep the KV transfer links plaintext (HMAC-authenticated only); by "
+                            "default they speak mutual TLS with the same certificate")
 
 
 def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:
@@ -100,7 +103,7 @@ def worker_config_from_args(args: argparse.Namespace, role: str, standalone: boo
                         redis_password_file=args.redis_password_file,
                         auth=ClusterAuthConfig(args.cluster_secret_file),
                         tls=InternalTLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if standalone
-                        else InternalTLSConfig())
+                        else InternalTLSConfig(), kv_tls=getattr(args, "kv_tls", True))
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:

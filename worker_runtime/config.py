@@ -47,6 +47,9 @@ class WorkerConfig:
     """Where the cluster secret is (gRPC tokens, KV handshake, handle signatures); none: unauthenticated."""
     tls: InternalTLSConfig = field(default_factory=InternalTLSConfig)
     """mTLS on the gRPC port (callers must present a certificate from the CA); none: plaintext."""
+    kv_tls: bool = True
+    """With ``tls``: the KV control channel and TCP data path speak mutual TLS 1.3 with the same
+    certificate (its extended key usage must allow clientAuth too); off: only the HMAC handshake."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

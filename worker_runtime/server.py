@@ -18,6 +18,7 @@ import torch
 from decode_worker.decode_loop import DecodeLoop
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVLayout, make_receiver, make_sender
+from kv_transfer.tls import KVTLSFiles
 from pdserve.cluster_auth.grpc_auth import server_interceptors
 from pdserve.cluster_auth.secret import warn_if_exposed
 from pdserve.grpc_common import MAX_MESSAGE_BYTES, add_health_and_reflection, run_until_signalled, set_serving
@@ -58,7 +59,9 @@ class WorkerServer:
         keys = config.auth.load()  # read here, in the worker's process: never carried in its arguments
         warn_if_exposed(f"{config.role} worker gRPC", config.host, keys)
         warn_if_exposed(f"{config.role} worker KV transfer", config.kv_transfer.host, keys)
-        kv_config = dataclasses.replace(config.kv_transfer, auth_key=keys.kv if keys else None)
+        kv_tls = KVTLSFiles(config.tls.cert_file, config.tls.key_file, config.tls.ca_file) \
+            if config.tls.enabled and config.kv_tls else None
+        kv_config = dataclasses.replace(config.kv_transfer, auth_key=keys.kv if keys else None, tls=kv_tls)
         if config.role == "prefill":
             self._transfer_side = await aio.run_in_executor(None, make_sender, kv_cache, layout, kv_config)
             self._loop_thread = PrefillLoop(self.engine, aio, self._transfer_side)

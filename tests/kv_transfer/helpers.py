@@ -9,20 +9,22 @@ import signal
 
 import pytest
 
-from .peers import SMOLLM2, run_peer
+from .peers import SMOLLM2, kv_tls_files, run_peer
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 #: "tcp-staged" is the TCP data path through host staging buffers (what a CUDA pool uses),
 #: run on CPU pools with ``staging="always"``: same pipeline, host copies instead of CUDA ones.
 #: Two processes of one host share the staging buffers (blocks skip the socket);
 #: "tcp-staged-socket" turns that off, so the blocks cross the socket as between hosts.
-BACKENDS = ["tcp", "tcp-staged", "tcp-staged-socket",
+#: "tcp-tls" is the TCP data path over mutual TLS (certificates of a throwaway CA, see ``kv_tls_files``).
+BACKENDS = ["tcp", "tcp-staged", "tcp-staged-socket", "tcp-tls",
             pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl not installed"))]
 
 
 def label(backend: str) -> str:
     """The ``backend_name`` a side built from a test backend name reports."""
-    return "tcp-staged" if backend.startswith("tcp-staged") else backend
+    return "tcp-staged" if backend.startswith("tcp-staged") else "tcp" if backend == "tcp-tls" else backend
+
 
 #: Transfer id -> the capability a child sender issued for it (the router's job in a cluster:
 #: hand the capability from the prefill worker's handle to the decode worker).
@@ -44,6 +46,8 @@ class Peer:
         self.conn, child = ctx.Pipe()
         self.stalled, self.unstall = ctx.Event(), ctx.Event()
         self.layout = {**SMOLLM2, "dtype": dtype, **layout_overrides}
+        if backend == "tcp-tls":
+            kv_tls_files()  # made here, before the child starts: it finds them through the environment
         spec = dict(role=role, backend=backend, num_blocks=num_blocks, seed=seed, fault=fault,
                     layout=self.layout, lib=lib, config=config or {})
         self.proc = ctx.Process(target=run_peer, args=(child, spec, self.stalled, self.unstall),

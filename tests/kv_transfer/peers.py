@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 
@@ -22,9 +24,10 @@ SMOLLM2 = dict(model_id="HuggingFaceTB/SmolLM2-135M-Instruct", block_size=16,
 def config_for(backend: str, **overrides):
     """KVTransferConfig of a test backend name ("tcp-staged": tcp with staging="always", sharing
     its staging buffers with a same-host peer; "tcp-staged-socket": the same through the socket;
-    "cuda-ipc": a tcp side with the same-host CUDA IPC mode on). Every other name has CUDA IPC
-    off, so a test of a backend on CUDA pools measures that backend's own path."""
-    from kv_transfer import KVTransferConfig
+    "cuda-ipc": a tcp side with the same-host CUDA IPC mode on; "tcp-tls": tcp over mutual TLS,
+    ``tls`` naming the (cert, key, CA) files). Every other name has CUDA IPC off, so a test of a
+    backend on CUDA pools measures that backend's own path."""
+    from kv_transfer import KVTLSFiles, KVTransferConfig
     if backend == "cuda-ipc":
         return KVTransferConfig(backend="tcp", **{"cuda_ipc": True, **overrides})
     overrides = {"cuda_ipc": False, **overrides}
@@ -32,7 +35,25 @@ def config_for(backend: str, **overrides):
         return KVTransferConfig(backend="tcp", staging="always", **{"staging_shm": False, **overrides})
     if backend == "tcp-staged":
         return KVTransferConfig(backend="tcp", staging="always", **overrides)
+    if backend == "tcp-tls":
+        return KVTransferConfig(backend="tcp", **{"tls": KVTLSFiles(*kv_tls_files()), **overrides})
     return KVTransferConfig(backend=backend, **overrides)
+
+
+def kv_tls_files(name: str = "worker", ca: str = "ca") -> tuple[str, str, str]:
+    """(cert, key, CA) of a certificate ``name`` from a throwaway CA ``ca``, made once per test run
+    in a directory named by ``$PDSERVE_TEST_KV_PKI`` (child processes inherit it)."""
+    from pdserve.cluster_auth.dev_pki import make_ca, make_cert
+    root = os.environ.get("PDSERVE_TEST_KV_PKI")
+    if root is None:
+        root = os.environ["PDSERVE_TEST_KV_PKI"] = tempfile.mkdtemp(prefix="pdserve-kv-pki-")
+    directory = Path(root) / ca
+    if not (directory / f"{name}.pem").exists():
+        directory.mkdir(exist_ok=True)
+        if not (directory / f"{ca}.pem").exists():
+            make_ca(directory, ca)
+        make_cert(directory, ca, name)
+    return str(directory / f"{name}.pem"), str(directory / f"{name}.key"), str(directory / f"{ca}.pem")
 
 
 def make_pool(layout, num_blocks: int, seed: int, lib: str = "numpy"):

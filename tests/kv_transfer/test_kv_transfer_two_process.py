@@ -188,6 +188,7 @@ def test_incompatible_peer_refused(backend, peers, thread_guard):
 
 
 STALL = {"tcp": "stall_tcp_send", "tcp-staged": "stall_tcp_send", "tcp-staged-socket": "stall_tcp_send",
+         "tcp-tls": "stall_tcp_send",
          "nixl": "stall_after_grant"}
 
 

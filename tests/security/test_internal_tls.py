@@ -5,36 +5,16 @@ CA are all refused at the TLS handshake; a caller with a good certificate but no
 still refused (UNAUTHENTICATED)."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
 
+from pdserve.cluster_auth.dev_pki import make_ca, make_cert
 from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster.harness import generation_stub, start_router, start_worker
 
 PROMPT = list(range(2000, 2030))
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_ca(directory: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign",
-             cwd=directory)
-
-
-def make_cert(directory: Path, ca: str, name: str) -> None:
-    (directory / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                                           "extendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
-             f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=directory)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=directory)
 
 
 @pytest.fixture(scope="module")
