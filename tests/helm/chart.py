@@ -20,7 +20,7 @@ CASES = {
     "monitoring": ["monitoring-values.yaml"],
     "security": ["security-values.yaml"],
 }
-GENERATED_PASSWORD = re.compile(r"^(  redis-password: ).+$", re.MULTILINE)
+GENERATED_PASSWORD = re.compile(r"^(  (?:redis-password|cluster-secret): ).+$", re.MULTILINE)
 
 
 def find_helm() -> str:
@@ -42,7 +42,8 @@ def values_args(case: str, chart: Path = CHART) -> list[str]:
 
 def template(*args: str, chart: Path = CHART, raw: bool = False) -> str:
     """`helm template` output; raises with helm's message on failure. Unless `raw`, the bundled
-    Redis's generated password (random at every render) reads GENERATED, so renders compare."""
+    Redis's generated password and the generated cluster secret (random at every render) read
+    GENERATED, so renders compare."""
     done = helm("template", "pdserve", str(chart), "--namespace", "llm", "--kube-version", KUBE_VERSION, *args)
     if done.returncode != 0:
         raise ValueError(done.stderr.strip())

@@ -56,12 +56,13 @@ def test_rendered_output_matches_golden(case, rendered):
 
 def test_kinds_per_mode(rendered):
     kinds = {case: sorted({o["kind"] for o in objects(text)}) for case, text in rendered.items()}
-    base = ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service", "ServiceAccount"]
-    assert kinds["defaults"] == sorted(base + ["Secret", "StatefulSet"])  # the generated Redis password
-    assert kinds["raycluster"] == sorted(base + ["HorizontalPodAutoscaler", "RayCluster", "Secret", "StatefulSet"])
+    # every mode: the generated cluster secret (a Secret); bundled Redis: its generated password too
+    base = ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Secret", "Service", "ServiceAccount"]
+    assert kinds["defaults"] == sorted(base + ["StatefulSet"])
+    assert kinds["raycluster"] == sorted(base + ["HorizontalPodAutoscaler", "RayCluster", "StatefulSet"])
     assert kinds["external-redis"] == base
     assert {"ServiceMonitor", "PodMonitor"} <= set(kinds["monitoring"])
-    assert kinds["security"] == sorted(base + ["Certificate", "StatefulSet"])  # existing Secrets: none made
+    assert kinds["security"] == sorted(base + ["Certificate", "StatefulSet"])
 
 
 def test_raycluster_has_head_and_gpu_worker_groups(rendered):
@@ -135,8 +136,7 @@ def test_redis_bundled_or_external_with_password_from_a_secret_never_on_a_comman
     defaults = objects(rendered["defaults"])
     [redis] = by_kind(defaults, "StatefulSet")
     assert redis["metadata"]["name"] == "pdserve-redis"
-    [secret] = by_kind(defaults, "Secret")
-    assert secret["metadata"]["name"] == "pdserve-redis-auth"
+    [secret] = [s for s in by_kind(defaults, "Secret") if s["metadata"]["name"] == "pdserve-redis-auth"]
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # survives upgrades
     refs = redis_password_refs(defaults)
     assert len(refs) == 4  # router, prefill, decode, redis itself
@@ -159,10 +159,42 @@ def test_redis_bundled_or_external_with_password_from_a_secret_never_on_a_comman
     assert all(ref == {"name": "pdserve-redis-password", "key": "password"} for ref in security.values())
 
 
-def test_the_generated_redis_password_is_random_per_install():
-    first, second = (by_kind(objects(template(raw=True)), "Secret")[0]["data"]["redis-password"] for _ in range(2))
-    assert first != second
-    assert len(base64.b64decode(first)) == 32
+def test_the_generated_redis_password_and_cluster_secret_are_random_per_install():
+    renders = [{s["metadata"]["name"]: s["data"] for s in by_kind(objects(template(raw=True)), "Secret")}
+               for _ in range(2)]
+    for name, key, size in (("pdserve-redis-auth", "redis-password", 32),
+                            ("pdserve-cluster-secret", "cluster-secret", 64)):
+        first, second = (r[name][key] for r in renders)
+        assert first != second
+        assert len(base64.b64decode(first)) == size
+
+
+def cluster_secret_refs(objs: list[dict]) -> dict[str, dict]:
+    """Pod/container -> the secretKeyRef of its PDSERVE_CLUSTER_SECRET, for every pdserve container."""
+    refs = {}
+    for name, spec in pod_specs(objs):
+        for container in spec["containers"]:
+            if container["name"] == "redis":
+                continue
+            env = {e["name"]: e for e in container.get("env", [])}
+            refs[f"{name}/{container['name']}"] = env["PDSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+            assert "secret" not in " ".join(container.get("args", [])).lower().replace("secretkeyref", ""), name
+    return refs
+
+
+def test_every_pdserve_container_gets_the_cluster_secret_from_one_secret(rendered):
+    defaults = objects(rendered["defaults"])
+    refs = cluster_secret_refs(defaults)
+    assert sorted(refs) == ["Deployment/pdserve-decode/decode-worker", "Deployment/pdserve-prefill/prefill-worker",
+                            "Deployment/pdserve-router/router"]
+    assert all(ref == {"name": "pdserve-cluster-secret", "key": "cluster-secret"} for ref in refs.values())
+    [generated] = [s for s in by_kind(defaults, "Secret") if s["metadata"]["name"] == "pdserve-cluster-secret"]
+    assert generated["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    ray = cluster_secret_refs(objects(rendered["raycluster"]))
+    assert len(ray) == 4 and all(ref["name"] == "pdserve-cluster-secret" for ref in ray.values()), ray
+    own = objects(template("--set", "clusterSecret.name=mine", "--set", "clusterSecret.key=s"))
+    assert "pdserve-cluster-secret" not in [s["metadata"]["name"] for s in by_kind(own, "Secret")]
+    assert all(ref == {"name": "mine", "key": "s"} for ref in cluster_secret_refs(own).values())
 
 
 def test_the_ray_workers_get_the_redis_password_and_the_dashboard_stays_local(rendered):

@@ -85,6 +85,20 @@ default
 {{- end }}
 {{- end -}}
 
+{{/* The cluster secret (router <-> worker gRPC tokens, KV handshake, KV handle signatures): the named
+     Secret or the generated one, given to every pdserve container through its environment. */}}
+{{- define "pdserve.clusterSecretName" -}}
+{{- .Values.clusterSecret.name | default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "pdserve.clusterSecretEnv" -}}
+- name: PDSERVE_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.clusterSecretName" . }}
+      key: {{ .Values.clusterSecret.key }}
+{{- end -}}
+
 {{/* With a read-only root filesystem: caches and Ray's session files go to the /tmp emptyDir. */}}
 {{- define "pdserve.writableEnv" -}}
 - name: HOME
