@@ -4,7 +4,7 @@ Workers: `--tls-cert/--tls-key/--tls-ca` serve with `require_client_auth` (a cal
 certificate signed by the CA). Router: `--worker-tls-cert/--worker-tls-key/--worker-tls-ca` dial
 workers with its client certificate and verify theirs (their certificate must name the address
 dialed, e.g. an IP SAN). Independent of the cluster secret, which still gates every call (tokens)
-and the KV channel; the KV transfer data path itself is not encrypted.
+and the KV channel. Workers use the same files for TLS on their KV transfer links (kv_transfer/tls.py).
 """
 from __future__ import annotations
 
