@@ -30,6 +30,7 @@ class ClusterAuthServerInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, key: bytes) -> None:
         self._key = key
+        self._seen = tokens.ReplayGuard()
         self.num_refused = 0
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -38,10 +39,11 @@ class ClusterAuthServerInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(OPEN_PREFIXES):
             return handler
         token = next((v for k, v in handler_call_details.invocation_metadata or () if k == METADATA_KEY), None)
-        if tokens.check(self._key, method, token):
+        valid = tokens.check(self._key, method, token)
+        if valid and self._seen.first_use(token):
             return handler
         self.num_refused += 1
-        logger.warning("refused %s: no valid cluster token", method)
+        logger.warning("refused %s: %s", method, "a replayed cluster token" if valid else "no valid cluster token")
         return _refusing(handler)
 
 

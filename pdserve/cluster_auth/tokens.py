@@ -1,16 +1,20 @@
 """Per-call HMAC tokens for internal gRPC (router -> worker), and the worker's proof back, pure functions.
 
 ``v1.<unix seconds>.<nonce>.<hex HMAC-SHA256(key, method | seconds | nonce)>``: bound to the RPC
-method and valid for ``MAX_SKEW_S`` around the worker's clock. Without TLS a token seen on the wire
-could be replayed within that window for the same method (see docs/architecture.md, Security);
-without the key none can be made.
+method and valid for ``MAX_SKEW_S`` around the worker's clock, and accepted once: a worker remembers
+the nonces of the tokens it accepted until they expire (:class:`ReplayGuard`), so a token seen on the
+wire (plaintext gRPC) cannot be replayed. Without the key none can be made.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
+import logging
 import secrets
 import time
+
+logger = logging.getLogger(__name__)
 
 VERSION = "v1"
 MAX_SKEW_S = 60.0
@@ -37,6 +41,44 @@ def check(key: bytes, method: str, token: object, now: float | None = None,
     if abs(now - int(ts)) > max_skew_s:
         return False
     return hmac.compare_digest(_mac(key, method, ts, nonce), mac)
+
+
+class ReplayGuard:
+    """The nonces of accepted tokens, each until its token expires: a token is good for one call.
+
+    Check the token's MAC first (only valid tokens are remembered, so strangers cannot fill it).
+    Bounded by ``max_entries``: past it the oldest nonces are forgotten early (logged), which
+    reopens replay for those only; 500k nonces cover ~4k calls/s over the 121 s a token can live."""
+
+    def __init__(self, max_skew_s: float = MAX_SKEW_S, max_entries: int = 500_000) -> None:
+        self.max_skew_s = max_skew_s
+        self.max_entries = max_entries
+        self._expiry: dict[str, float] = {}
+        self._order: collections.deque[tuple[float, str]] = collections.deque()
+        self.num_replays = 0
+        self._warned_full = False
+
+    def first_use(self, token: str, now: float | None = None) -> bool:
+        """True the first time a (valid) token is seen, False on any later use."""
+        now = time.time() if now is None else now
+        while self._order and (self._order[0][0] < now or len(self._order) >= self.max_entries):
+            expires, nonce = self._order.popleft()
+            if expires >= now and not self._warned_full:
+                self._warned_full = True
+                logger.warning("token replay guard full (%d nonces): forgetting the oldest early", self.max_entries)
+            if self._expiry.get(nonce) == expires:
+                del self._expiry[nonce]
+        _, ts, nonce, _ = token.split(".")
+        if nonce in self._expiry:
+            self.num_replays += 1
+            return False
+        expires = int(ts) + self.max_skew_s + 1
+        self._expiry[nonce] = expires
+        self._order.append((expires, nonce))
+        return True
+
+    def __len__(self) -> int:
+        return len(self._expiry)
 
 
 def worker_proof(key: bytes, challenge: str) -> str:

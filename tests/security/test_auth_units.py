@@ -59,6 +59,23 @@ def test_grpc_tokens():
     assert tokens.mint(KEYS.grpc, method, now=1000) != token  # fresh nonce per call
 
 
+def test_a_token_is_accepted_once():
+    method = "/pdserve.v1.Worker/Prefill"
+    guard = tokens.ReplayGuard()
+    first, second = tokens.mint(KEYS.grpc, method, now=1000), tokens.mint(KEYS.grpc, method, now=1000)
+    assert guard.first_use(first, now=1000) and guard.first_use(second, now=1000)
+    assert not guard.first_use(first, now=1030)  # a replay within the window
+    assert guard.num_replays == 1 and len(guard) == 2
+    later = tokens.mint(KEYS.grpc, method, now=1200)
+    assert guard.first_use(later, now=1200)
+    assert len(guard) == 1  # the expired nonces are forgotten (their tokens no longer check anyway)
+    small = tokens.ReplayGuard(max_entries=3)
+    minted = [tokens.mint(KEYS.grpc, method, now=1000) for _ in range(5)]
+    assert all(small.first_use(t, now=1000) for t in minted)
+    assert len(small) <= 3  # bounded: the oldest are forgotten early
+    assert not small.first_use(minted[-1], now=1000)
+
+
 def _handle(**changes) -> worker_pb2.KVHandle:
     fields = dict(peer_info_json='{"host":"10.0.0.1","port":5}', transfer_id="req-1", capability="ab" * 16,
                   block_ids=[3, 4, 5], num_tokens=40, worker_address="10.0.0.1:7")

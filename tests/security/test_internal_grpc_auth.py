@@ -92,6 +92,16 @@ def test_a_token_is_bound_to_its_method(cluster, keys):
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_a_captured_token_cannot_be_replayed(cluster, keys):
+    token = tokens.mint(keys.grpc, SERVICE + "GetStats")
+    with grpc.insecure_channel(cluster["decode"].address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        assert stub.GetStats(worker_pb2.StatsRequest(), metadata=[(METADATA_KEY, token)], timeout=10).role == "decode"
+        with pytest.raises(grpc.RpcError) as info:  # the same token again, as an eavesdropper would send it
+            stub.GetStats(worker_pb2.StatsRequest(), metadata=[(METADATA_KEY, token)], timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_the_router_with_the_secret_serves(cluster):
     request = generate_pb2.GenerateRequest(request_id="auth-1", tokens=generate_pb2.TokenIds(ids=PROMPT),
                                            params=params(max_tokens=8, ignore_eos=True))
