@@ -8,6 +8,11 @@ that does not follow the last applied one (lost events, a restarted worker, a
 Redis that restarted empty) makes the feed resync: load a snapshot (the
 stream's first message, or `GetKvSnapshot`), then read on from its sequence
 number. While a source is unreachable the index keeps its last view.
+
+With the cluster secret, a batch read from Redis must carry its worker's signature
+(pdserve/cluster_auth/events.py): one without a valid one is dropped and the feed
+resyncs from the worker's snapshot over authenticated gRPC, so whoever can write to
+Redis cannot feed the index false events.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import logging
 import grpc
 
 from pdserve import redis_keys
+from pdserve.cluster_auth import events
 from pdserve.protocol import kv_events_from_proto, worker_pb2
 from router.kv_index import KvIndex
 from router.worker_pool import WorkerClient
@@ -28,9 +34,12 @@ CLOSE_WAIT_S = 3.0
 
 
 class KvFeeds:
-    def __init__(self, index: KvIndex, redis=None) -> None:
+    def __init__(self, index: KvIndex, redis=None, events_key: bytes | None = None) -> None:
         self.index = index
         self.redis = redis
+        self.events_key = events_key
+        self.num_forged = 0
+        """Batches dropped from Redis for a missing or wrong signature."""
         self._tasks: dict[str, asyncio.Task] = {}
         self._closing = False
 
@@ -89,21 +98,35 @@ class KvFeeds:
         from redis.exceptions import RedisError
         address = worker.address
         stream = last_id = None
+        forged_seq = -1  # a false batch stays in the stream: read on after it, not into it again
         while self._running(address):
             try:
                 if not self.index.is_synced(address):
                     snapshot = await worker.stub.GetKvSnapshot(worker_pb2.KvEventsRequest(), timeout=10)
                     snapshot.worker = address
                     self._load(snapshot)
-                    stream = redis_keys.kv_events_key(address, snapshot.epoch)
-                    last_id = redis_keys.stream_id(snapshot.seq)
+                    new_stream = redis_keys.kv_events_key(address, snapshot.epoch)
+                    if new_stream != stream:
+                        stream, forged_seq = new_stream, -1  # a restarted worker writes a new stream
+                    last_id = redis_keys.stream_id(max(snapshot.seq, forged_seq))
                 reply = await self.redis.xread({stream: last_id}, block=XREAD_BLOCK_MS, count=1024)
+                forged = self.num_forged
                 for _, entries in reply or []:
                     for entry_id, fields in entries:
-                        batch = worker_pb2.KvEventBatch.FromString(fields[redis_keys.BATCH_FIELD])
-                        if not self._apply(address, batch):
+                        data = fields[redis_keys.BATCH_FIELD]
+                        if self.events_key is not None and not events.verify(
+                                self.events_key, stream, data, fields.get(redis_keys.SIGNATURE_FIELD)):
+                            self.num_forged += 1
+                            logger.warning("KV events of %s: a batch in Redis without a valid signature; "
+                                           "resyncing from the worker", address)
+                            self.index.mark_stale(address)
+                            forged_seq = int(entry_id.split(b"-")[0])
+                            break
+                        if not self._apply(address, worker_pb2.KvEventBatch.FromString(data)):
                             break
                         last_id = entry_id
+                if self.num_forged != forged:
+                    await asyncio.sleep(RETRY_S)  # whoever writes false batches does not get a busy loop
             except grpc.aio.AioRpcError as exc:
                 logger.debug("KV snapshot of %s: %s", address, exc.code().name)
                 await asyncio.sleep(RETRY_S)

@@ -58,6 +58,12 @@ class KvIndex:
         entry = self._workers.get(worker)
         return entry is not None and entry.seq >= 0
 
+    def mark_stale(self, worker: str) -> None:
+        """Distrust what is known of `worker` past its last snapshot: the next batch resyncs."""
+        entry = self._workers.get(worker)
+        if entry is not None:
+            entry.seq = -1
+
     def seq(self, worker: str) -> int:
         return self._workers[worker].seq
 

@@ -49,6 +49,7 @@ class RouterServer:
         self.pipeline = GenerationPipeline(config, self.selector)
         self.keys = ApiKeys(config.security.api_key_file)
         self.pipeline.handle_key = keys.handle if keys else None
+        self._events_key = keys.events if keys else None
         self._redis = None
         self._feeds: KvFeeds | None = None
         self._registry = None
@@ -70,7 +71,7 @@ class RouterServer:
             from pdserve import redis_client
             self._redis = redis_client.connect(config.redis_url, timeout_s=5,
                                                password_file=config.redis_password_file)
-        self._feeds = KvFeeds(self.index, self._redis)
+        self._feeds = KvFeeds(self.index, self._redis, self._events_key)
         self.pool.on_add.append(self._feeds.start)
         self.pool.on_remove.append(self._feeds.stop)
         await self.pool.start()

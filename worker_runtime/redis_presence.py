@@ -16,6 +16,7 @@ import logging
 from redis.exceptions import RedisError
 
 from pdserve import redis_client, redis_keys
+from pdserve.cluster_auth import events
 from worker_runtime.kv_event_log import KvEventLog
 
 logger = logging.getLogger(__name__)
@@ -24,8 +25,10 @@ STREAM_MAXLEN = 100_000
 
 class RedisPresence:
     def __init__(self, url: str, address: str, role: str, log: KvEventLog, ttl_s: float,
-                 password_file: str | None = None) -> None:
+                 password_file: str | None = None, events_key: bytes | None = None) -> None:
         self.address = address
+        self.events_key = events_key
+        """Signs each batch (routers with the cluster secret ignore unsigned ones); None: unsigned."""
         self.role = role
         self.log = log
         self.ttl_s = ttl_s
@@ -74,9 +77,13 @@ class RedisPresence:
             if batch is None:  # fell behind: routers will see the gap and resync
                 queue = self.log.subscribe()
                 continue
+            data = batch.SerializeToString()
+            fields = {redis_keys.BATCH_FIELD: data}
+            if self.events_key is not None:
+                fields[redis_keys.SIGNATURE_FIELD] = events.sign(self.events_key, stream, data)
             try:
-                await self.redis.xadd(stream, {redis_keys.BATCH_FIELD: batch.SerializeToString()},
-                                      id=redis_keys.stream_id(batch.seq), maxlen=STREAM_MAXLEN, approximate=True)
+                await self.redis.xadd(stream, fields, id=redis_keys.stream_id(batch.seq), maxlen=STREAM_MAXLEN,
+                                      approximate=True)
                 self._up()
             except (RedisError, OSError) as exc:
                 self._down(exc)

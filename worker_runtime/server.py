@@ -95,7 +95,8 @@ class WorkerServer:
         if config.redis_url:
             from worker_runtime.redis_presence import RedisPresence
             self._presence = RedisPresence(config.redis_url, self.address, config.role, kv_events,
-                                           config.registry_ttl_s, config.redis_password_file)
+                                           config.registry_ttl_s, config.redis_password_file,
+                                           keys.events if keys else None)
             await self._presence.start()
         logger.info("%s worker serving at %s (kv_transfer %s, metrics port %s)", config.role, self.address,
                     self._servicer.backend, self.metrics_port)

@@ -12,6 +12,7 @@ import pytest
 from engine.block_hash import hash_full_blocks
 from engine.kv_events import BlockRemoved, BlockStored
 from pdserve import redis_client, redis_keys
+from pdserve.cluster_auth import events as cluster_events
 from pdserve.protocol import kv_events_to_proto, worker_pb2
 from router.kv_feeds import KvFeeds
 from router.kv_index import KvIndex
@@ -35,10 +36,16 @@ class FakeWorkerStub:
             [BlockStored(h) for h in self.hashes]))
 
 
-async def publish(client, seq: int, events) -> None:
+async def publish(client, seq: int, events, key: bytes | None = None, signature: bytes | None = None) -> None:
+    """Write batch `seq` as a worker does (signed with `key`), or with the given `signature`."""
     batch = worker_pb2.KvEventBatch(worker=ADDRESS, seq=seq, epoch=EPOCH, events=kv_events_to_proto(events))
-    await client.xadd(redis_keys.kv_events_key(ADDRESS, EPOCH), {redis_keys.BATCH_FIELD: batch.SerializeToString()},
-                      id=redis_keys.stream_id(seq))
+    stream, data = redis_keys.kv_events_key(ADDRESS, EPOCH), batch.SerializeToString()
+    fields = {redis_keys.BATCH_FIELD: data}
+    if key is not None:
+        fields[redis_keys.SIGNATURE_FIELD] = cluster_events.sign(key, stream, data)
+    if signature is not None:
+        fields[redis_keys.SIGNATURE_FIELD] = signature
+    await client.xadd(stream, fields, id=redis_keys.stream_id(seq))
 
 
 async def until(predicate, timeout: float = 10.0) -> None:
@@ -93,6 +100,37 @@ def test_gap_resyncs_from_snapshot_and_redis_restart_is_survived(redis_server):
             await publish(client, 9, [BlockStored(HASHES[1], HASHES[0])])
             await until(lambda: index.seq(ADDRESS) == 9)
             assert overlap() == 2 and stub.calls == 3
+        finally:
+            await feeds.close()
+            await redis_client.close(client)
+    asyncio.run(scenario())
+
+
+def test_with_the_cluster_secret_only_signed_batches_are_applied(redis_server):
+    key, wrong = b"e" * 32, b"w" * 32
+
+    async def scenario():
+        client = redis_client.connect(redis_server.url, timeout_s=5)
+        index, stub = KvIndex(), FakeWorkerStub()
+        stub.seq, stub.hashes = 1, HASHES[:1]
+        feeds = KvFeeds(index, client, events_key=key)
+        feeds.start(WorkerClient(ADDRESS, "prefill", stub=stub))
+        overlap = lambda: index.overlap(HASHES, [ADDRESS])[ADDRESS]  # noqa: E731
+        try:
+            await until(lambda: index.is_synced(ADDRESS) and index.seq(ADDRESS) == 1)
+            await publish(client, 2, [BlockStored(HASHES[1], HASHES[0])], key=key)  # the worker's own
+            await until(lambda: index.seq(ADDRESS) == 2)
+            assert overlap() == 2 and stub.calls == 1
+            # someone with write access to Redis: unsigned, signed with another key, or a valid
+            # signature copied from another batch. None is applied; each makes the feed resync.
+            for seq, signature in ((3, None), (4, cluster_events.sign(wrong, "x", b"")), (5, b"0" * 64)):
+                stub.seq, stub.hashes = seq - 1, HASHES[:2]
+                forged = feeds.num_forged
+                await publish(client, seq, [BlockRemoved(HASHES[0])], signature=signature)
+                await until(lambda f=forged: feeds.num_forged == f + 1)
+                await until(lambda s=seq: index.is_synced(ADDRESS) and index.seq(ADDRESS) == s - 1)
+                assert overlap() == 2  # block 0 is still indexed: the false removal was not applied
+            assert stub.calls == 4
         finally:
             await feeds.close()
             await redis_client.close(client)
