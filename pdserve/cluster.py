@@ -20,7 +20,9 @@ import tempfile
 import threading
 
 from pdserve.cluster_auth import ClusterAuthConfig
+from pdserve.cluster_auth.dev_pki import make_cluster_pki
 from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
+from pdserve.cluster_auth.tls import InternalTLSConfig
 from router.config import RouterConfig
 from router.server import RouterServer
 from worker_runtime.config import WorkerConfig
@@ -84,8 +86,14 @@ class ClusterConfig:
     num_decode: int = 1
     ray_address: str | None = None
     log_level: str = "WARNING"
+    internal_tls: bool = False
+    """Mutual TLS on router -> worker gRPC and the KV links, with certificates of a throwaway CA made
+    at start (one host only: the files live in a private temporary directory)."""
 
     def __post_init__(self) -> None:
+        if self.internal_tls and self.ray_address is not None:
+            raise ValueError("--internal-tls makes certificates on this machine only; with --ray-address run the "
+                             "workers with --tls-cert/--tls-key/--tls-ca files present on every node")
         if self.num_prefill < 0:
             raise ValueError("--prefill must be >= 0 (0: decode workers prefill themselves)")
         if self.num_decode < 1:
@@ -166,11 +174,19 @@ def run_serve(config: ClusterConfig) -> int:
     """Start the workers under Ray and the router here; stop everything on SIGINT/SIGTERM.
 
     Every internal link is authenticated: without a configured cluster secret a throwaway one is
-    written (mode 0600) to a private temporary directory, removed on exit."""
+    written (mode 0600) to a private temporary directory, removed on exit. With `internal_tls` a
+    throwaway CA and certificates for the workers and the router go there too."""
     secret_dir = tempfile.mkdtemp(prefix="pdserve-secret-")
     auth = ClusterAuthConfig(secret_file_for_cluster(config.router.cluster_auth, secret_dir))
-    config = dataclasses.replace(config, router=dataclasses.replace(config.router, cluster_auth=auth),
-                                 worker=dataclasses.replace(config.worker, auth=auth))
+    router, worker = config.router, config.worker
+    if config.internal_tls:
+        pki = make_cluster_pki(secret_dir)
+        worker = dataclasses.replace(worker, tls=InternalTLSConfig(pki["worker"].cert, pki["worker"].key,
+                                                                   pki["worker"].ca))
+        router = dataclasses.replace(router, worker_tls=InternalTLSConfig(pki["router"].cert, pki["router"].key,
+                                                                          pki["router"].ca))
+    config = dataclasses.replace(config, router=dataclasses.replace(router, cluster_auth=auth),
+                                 worker=dataclasses.replace(worker, auth=auth))
     cluster = RayCluster(config)
     stop = threading.Event()
 
@@ -202,7 +218,8 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
         extras += f", metrics at http://{router_config.host}:{router_config.metrics_port}/metrics"
     workers = ", ".join([*(f"prefill {a}" for a in router_config.prefill_workers),
                          *(f"decode {a}" for a in router_config.decode_workers)])
-    print(f"workers: {workers} (internal links authenticated with the cluster secret)", flush=True)
+    how = "authenticated with the cluster secret" + (", mutual TLS" if config.internal_tls else "")
+    print(f"workers: {workers} (internal links {how})", flush=True)
     print(f"ready: pdserve serving at {address} ({config.num_prefill} prefill, {config.num_decode} decode"
           f"{extras})", flush=True)
     while not stop.is_set():

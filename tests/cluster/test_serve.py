@@ -69,3 +69,30 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
     time.sleep(1.0)
     alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_serve_with_internal_tls_speaks_mutual_tls_inside(tmp_path, smollm2_dir):
+    proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0", "--internal-tls",
+                           "--metrics-port", str(free_port()), *WORKER_FLAGS])
+    try:
+        line = next(x for x in proc.output if x.startswith("workers:"))
+        assert "mutual TLS" in line
+        prompt = ", ".join(str(i) for i in range(40))  # long enough to be prefilled by the prefill worker
+        (tmp_path / "in.jsonl").write_text(json.dumps({"id": "t", "prompt": prompt, "temperature": 0,
+                                                       "max_tokens": 6, "ignore_eos": True}) + "\n")
+        # prefilled on one worker and decoded on the other: gRPC and the KV link both under TLS
+        done = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--url", proc.address,
+                               "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        [out] = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert out["usage"]["completion_tokens"] == 6
+        worker_metrics = dict(re.findall(r"(prefill|decode) worker metrics at (\S+)", "".join(proc.output)))
+        assert metric_value(worker_metrics["prefill"], "pdserve:prompt_tokens_total", role="prefill") >= 40
+        for address in re.findall(r"(?:prefill|decode) (\S+:\d+)", line):  # plaintext: refused at the handshake
+            with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
+                worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        code = proc.stop(signal.SIGINT, timeout=60)
+    assert code == 0, "".join(proc.output[-30:])
