@@ -180,7 +180,8 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         cluster_auth=ClusterAuthConfig(args.cluster_secret_file),
                         worker_tls=InternalTLSConfig(getattr(args, "worker_tls_cert", None),
                                                      getattr(args, "worker_tls_key", None),
-                                                     getattr(args, "worker_tls_ca", None)))
+                                                     getattr(args, "worker_tls_ca", None),
+                                                     getattr(args, "worker_tls_server_name", None)))
 
 
 def _addresses(text: str) -> list[str]:
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "with --tls-cert/--tls-key/--tls-ca)")
     router.add_argument("--worker-tls-key", default=None, help="PEM private key of --worker-tls-cert")
     router.add_argument("--worker-tls-ca", default=None, help="PEM CA the workers' certificates chain to")
+    router.add_argument("--worker-tls-server-name", default=None,
+                        help="name the workers' certificates carry, checked instead of the address dialed "
+                             "(e.g. one certificate for the pool, the chart's <release>-internal)")
     add_router_args(router)
     router.add_argument("--model", default="default", help="checkpoint directory (tokenizer), or 'default'")
     router.add_argument("--max-model-len", type=int, default=None)

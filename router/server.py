@@ -38,7 +38,8 @@ class RouterServer:
         keys = config.cluster_auth.load()
         self.pool = WorkerPool(config.prefill_workers, config.decode_workers, config.health_interval_s,
                                keys.grpc if keys else None,
-                               config.worker_tls.channel_credentials() if config.worker_tls.enabled else None)
+                               config.worker_tls.channel_credentials() if config.worker_tls.enabled else None,
+                               config.worker_tls.channel_options())
         self.metrics = RouterMetrics(self.pool)
         self.index = KvIndex()
         self.admission = AdmissionQueue(config.max_queue_len, config.queue_timeout_s, config.retry_after_s)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -70,10 +70,12 @@ class WorkerClient:
 
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0,
-                 grpc_key: bytes | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+                 grpc_key: bytes | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 tls_options: Sequence[tuple[str, str]] = ()) -> None:
         self._grpc_key = grpc_key
         self._credentials = credentials
         """mTLS credentials for worker channels (None: plaintext)."""
+        self._tls_options = tls_options
         """The cluster's token key: every call to a worker carries a token (None: no cluster secret)."""
         self.workers = [WorkerClient(a, "prefill") for a in prefill] + [WorkerClient(a, "decode") for a in decode]
         self.health_interval_s = health_interval_s
@@ -133,7 +135,7 @@ class WorkerPool:
         return [w for w in self.workers if w.role == role and w.healthy]
 
     def _connect(self, worker: WorkerClient) -> None:
-        worker.channel = worker_channel(worker.address, self._grpc_key, self._credentials)
+        worker.channel = worker_channel(worker.address, self._grpc_key, self._credentials, self._tls_options)
         worker.stub = worker_pb2_grpc.WorkerStub(worker.channel)
         for callback in self.on_add:
             callback(worker)

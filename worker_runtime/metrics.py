@@ -7,6 +7,8 @@ pushed). Every series carries the labels `role` (prefill/decode) and `worker`
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -80,9 +82,9 @@ class WorkerMetrics:
         loop.observe_transfer_s = self.transfer_time.observe
         self._http: MetricsServer | None = None
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics in a thread; returns the bound port."""
-        self._http = MetricsServer(self.registry, host, port)
+    def serve(self, host: str, port: int, ready: Callable[[], bool] | None = None) -> int:
+        """Serve /metrics (and the /health, /ready probes with ``ready``) in a thread; returns the port."""
+        self._http = MetricsServer(self.registry, host, port, ready)
         return self._http.port
 
     def close(self) -> None:

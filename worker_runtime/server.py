@@ -46,6 +46,8 @@ class WorkerServer:
         self._metrics: WorkerMetrics | None = None
         self.metrics_port: int | None = None
         self._presence = None
+        self._serving = False
+        """gRPC started and not draining: what /ready on the metrics port says."""
 
     async def start(self) -> str:
         """Load the model, open the KV transfer side, serve; returns host:port."""
@@ -89,9 +91,10 @@ class WorkerServer:
         if config.metrics_port is not None:
             self._metrics = WorkerMetrics(self._loop_thread, config.role, self.address,
                                           self._transfer_side.backend_info())
-            self.metrics_port = self._metrics.serve(config.host, config.metrics_port)
+            self.metrics_port = self._metrics.serve(config.host, config.metrics_port, self._ready)
         await self._server.start()
         await set_serving(self._health, [SERVICE], True)
+        self._serving = True
         if config.redis_url:
             from worker_runtime.redis_presence import RedisPresence
             self._presence = RedisPresence(config.redis_url, self.address, config.role, kv_events,
@@ -102,12 +105,16 @@ class WorkerServer:
                     self._servicer.backend, self.metrics_port)
         return self.address
 
+    def _ready(self) -> bool:
+        return self._serving
+
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stop taking requests (health NOT_SERVING, new calls UNAVAILABLE); wait for in-flight ones."""
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         if self._servicer is None:
             return
         self._servicer.draining = True
+        self._serving = False
         await set_serving(self._health, [SERVICE], False)
         await self._leave_registry()
         deadline = time.monotonic() + timeout_s

@@ -116,10 +116,12 @@ def server_interceptors(key: bytes | None) -> Sequence[grpc.aio.ServerIntercepto
     return [ClusterAuthServerInterceptor(key)] if key is not None else []
 
 
-def worker_channel(address: str, key: bytes | None,
-                   credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    """A channel to a worker; with a key every call carries a cluster token, with credentials it is mTLS."""
+def worker_channel(address: str, key: bytes | None, credentials: grpc.ChannelCredentials | None = None,
+                   tls_options: Sequence[tuple[str, str]] = ()) -> grpc.aio.Channel:
+    """A channel to a worker; with a key every call carries a cluster token, with credentials it is mTLS
+    (``tls_options``: e.g. the name checked in the worker's certificate)."""
     interceptors = [_UnaryUnaryToken(key), _UnaryStreamToken(key)] if key is not None else None
     if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+        return grpc.aio.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *tls_options],
+                                       interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)

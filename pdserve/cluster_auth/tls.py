@@ -24,6 +24,9 @@ class InternalTLSConfig:
     """Its private key."""
     ca_file: str | None = None
     """CA certificate(s) the peer's certificate must chain to."""
+    server_name: str | None = None
+    """Router side: the name the workers' certificates carry, checked instead of the address dialed
+    (workers are dialed by pod IP; one certificate for the pool names e.g. ``pdserve-internal``)."""
 
     def __post_init__(self) -> None:
         given = [f for f in (self.cert_file, self.key_file, self.ca_file) if f]
@@ -32,6 +35,10 @@ class InternalTLSConfig:
         for path in given:
             if not Path(path).is_file():
                 raise ValueError(f"TLS file {path!r} is not a readable file")
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        """gRPC channel options of the router's side (the name checked in the workers' certificates)."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     @property
     def enabled(self) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -16,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.grpc_common import LIVENESS_SERVICE
 from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
-from tests.cluster.harness import Proc, generation_stub, start_router, start_worker
+from tests.cluster.harness import Proc, free_port, generation_stub, start_router, start_worker
 from tests.cluster.test_cluster_failures import long_request
 
 DRAIN_TIMEOUT_S = 120.0  # far above the drain a long generation needs, even on a loaded machine
@@ -63,6 +65,14 @@ class LongGeneration(threading.Thread):
             time.sleep(0.02)
 
 
+def http_probe(proc: Proc, path: str) -> int:
+    """Status of a worker's HTTP probe on its metrics port (what the chart probes under internal TLS)."""
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}{path}", timeout=5).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def sigterm_and_wait_not_serving(proc: Proc) -> float:
     signalled = time.monotonic()
     proc.popen.terminate()
@@ -78,8 +88,12 @@ def cluster(smollm2_dir):
     started: list[Proc] = []
     try:
         with ThreadPoolExecutor(2) as pool:
-            prefill, decode = pool.map(lambda role: start_worker(role, "--drain-timeout-s", str(DRAIN_TIMEOUT_S)),
+            metrics_port = free_port()
+            prefill, decode = pool.map(lambda role: start_worker(role, "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
+                                                                 *(["--metrics-port", str(metrics_port)]
+                                                                   if role == "decode" else [])),
                                        ["prefill", "decode"])
+            decode.metrics_port = metrics_port
             started += [prefill, decode]
             started += pool.map(lambda timeout: start_router([prefill], [decode], "--router-drain-timeout-s",
                                                              str(timeout)), [DRAIN_TIMEOUT_S, SHORT_DRAIN_TIMEOUT_S])
@@ -112,7 +126,9 @@ def test_sigterm_drains_router_and_decode_worker_during_a_long_generation(cluste
         grpc.StatusCode.UNAVAILABLE
 
     generation.wait_for_tokens(len(generation.token_times) + 10)
+    assert http_probe(decode, "/ready") == 200 and http_probe(decode, "/health") == 200
     decode_signalled = sigterm_and_wait_not_serving(decode)
+    assert http_probe(decode, "/ready") == 503 and http_probe(decode, "/health") == 200  # draining, alive
     with grpc.insecure_channel(decode.address) as channel:
         worker = worker_pb2_grpc.WorkerStub(channel)
         direct = worker_pb2.DecodeRequest(request_id="late", prompt_token_ids=[1, 2, 3])

@@ -82,3 +82,31 @@ def test_callers_without_a_certificate_from_the_ca_are_refused(tls_cluster, pki)
         with pytest.raises(grpc.RpcError) as info:
             _get_stats(tls_cluster[role].address, good)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_pool_certificate_is_checked_by_its_name_not_the_address(pki, tmp_path):
+    """One certificate for every worker names the pool (as the chart's cert-manager Certificate does),
+    not the pod IPs the router dials: the router checks that name (--worker-tls-server-name)."""
+    import asyncio
+
+    from pdserve.cluster_auth import ClusterAuthConfig, write_secret_file
+    from pdserve.cluster_auth.grpc_auth import worker_channel
+    from pdserve.cluster_auth.tls import InternalTLSConfig
+    make_cert(pki, "ca", "pool", names="DNS:pdserve-internal")
+    secret = write_secret_file(str(tmp_path))
+    worker = start_worker("decode", "--tls-cert", str(pki / "pool.pem"), "--tls-key", str(pki / "pool.key"),
+                          "--tls-ca", str(pki / "ca.pem"), "--cluster-secret-file", secret)
+    key = ClusterAuthConfig(secret).load().grpc
+
+    async def stats(server_name: str | None):
+        tls = InternalTLSConfig(str(pki / "router.pem"), str(pki / "router.key"), str(pki / "ca.pem"), server_name)
+        async with worker_channel(worker.address, key, tls.channel_credentials(), tls.channel_options()) as channel:
+            return await worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10)
+    try:
+        assert asyncio.run(stats("pdserve-internal")).role == "decode"
+        for wrong in (None, "someone-else"):  # the address dialed (127.0.0.1) or another name: refused
+            with pytest.raises(grpc.RpcError) as info:
+                asyncio.run(stats(wrong))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        worker.stop()
