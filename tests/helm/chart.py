@@ -19,6 +19,7 @@ CASES = {
     "external-redis": ["external-redis-values.yaml"],
     "monitoring": ["monitoring-values.yaml"],
     "security": ["security-values.yaml"],
+    "internal-tls": ["internal-tls-values.yaml"],
 }
 GENERATED_PASSWORD = re.compile(r"^(  (?:redis-password|cluster-secret): ).+$", re.MULTILINE)
 

@@ -110,6 +110,8 @@ def test_pdserve_pods_probe_grpc_health_and_outlive_their_drain(case, rendered):
             health = {"path": "/health", "port": ports["http"], "scheme": "HTTPS"}
             assert container["startupProbe"]["httpGet"] == container["readinessProbe"]["httpGet"] == health, name
             assert container["livenessProbe"]["tcpSocket"] == {"port": port}, name
+        elif case == "internal-tls" and "router" not in name:  # workers' gRPC is mTLS-only: HTTP probes
+            assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": ports["metrics"]}, name
         else:
             assert container["startupProbe"]["grpc"] == {"port": port, "service": ""}, name
             assert container["readinessProbe"]["grpc"] == {"port": port, "service": ""}, name
@@ -443,3 +445,47 @@ def test_schema_rejects_bad_security_values(setting, message):
     with pytest.raises(ValueError) as refused:
         template("--set", setting)
     assert message in str(refused.value)
+
+
+def container_of(objs: list[dict], name: str) -> dict:
+    [deployment] = [o for o in by_kind(objs, "Deployment") if o["metadata"]["name"] == name]
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_internal_tls_one_certificate_for_routers_and_workers(rendered):
+    objs = objects(rendered["internal-tls"])
+    [cert] = by_kind(objs, "Certificate")
+    assert cert["spec"]["dnsNames"] == ["pdserve-internal"]
+    assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
+    files = ["/etc/pdserve/internal-tls/tls.crt", "/etc/pdserve/internal-tls/tls.key",
+             "/etc/pdserve/internal-tls/ca.crt"]
+    for role in ("prefill", "decode"):
+        worker = container_of(objs, f"pdserve-{role}")
+        args = worker["args"]
+        assert [args[args.index(flag) + 1] for flag in ("--tls-cert", "--tls-key", "--tls-ca")] == files
+        metrics = next(p["containerPort"] for p in worker["ports"] if p["name"] == "metrics")
+        # the kubelet's gRPC probes speak no TLS: HTTP on the metrics port, readiness = takes work
+        assert worker["readinessProbe"]["httpGet"] == {"path": "/ready", "port": metrics}
+        assert worker["livenessProbe"]["httpGet"] == {"path": "/health", "port": metrics}
+        assert {"name": "internal-tls", "mountPath": "/etc/pdserve/internal-tls", "readOnly": True} in \
+            worker["volumeMounts"]
+    router = container_of(objs, "pdserve-router")["args"]
+    assert [router[router.index(flag) + 1] for flag in ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca",
+                                                        "--worker-tls-server-name")] == [*files, "pdserve-internal"]
+    defaults = objects(rendered["defaults"])
+    assert "--tls-cert" not in container_of(defaults, "pdserve-decode")["args"]
+    assert "grpc" in container_of(defaults, "pdserve-decode")["readinessProbe"]
+    own = objects(template("--set", "internalTLS.enabled=true", "--set", "internalTLS.existingSecret=mine"))
+    assert not by_kind(own, "Certificate")
+    volumes = by_kind(own, "Deployment")[0]["spec"]["template"]["spec"]["volumes"]
+    assert any(v.get("secret", {}).get("secretName") == "mine" for v in volumes)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "internalTLS.enabled=true"], "internalTLS.certManager.issuerRef.name"),
+    (["--set", "internalTLS.enabled=true", "--set", "internalTLS.existingSecret=x", "--set", "mode=raycluster"],
+     "internalTLS needs mode: deployments"),
+])
+def test_internal_tls_refuses_what_cannot_work(args, message):
+    with pytest.raises(ValueError, match=message):
+        template(*args)

@@ -16,7 +16,8 @@ from tests.helm.chart import CASES, REPO, objects, pod_specs
 
 SAMPLE_FIELDS = {"status.podIP": "10.0.0.7"}
 SAMPLE_SECRET = "s3cret"
-SAMPLE_SECRET_FILES = {"api-keys": "sample-tenant:sk-sample-0123456789abcdef\n", "tls.crt": "PEM", "tls.key": "PEM"}
+SAMPLE_SECRET_FILES = {"api-keys": "sample-tenant:sk-sample-0123456789abcdef\n", "tls.crt": "PEM", "tls.key": "PEM",
+                       "ca.crt": "PEM"}
 CHECK = """
 import contextlib, io, json, sys
 from pdserve.cli import _prepare, build_parser

@@ -99,6 +99,60 @@ default
       key: {{ .Values.clusterSecret.key }}
 {{- end -}}
 
+{{/* Mutual TLS inside the release (internalTLS): one certificate for routers and workers, named
+     <fullname>-internal; mounted at /etc/pdserve/internal-tls. */}}
+{{- define "pdserve.internalName" -}}
+{{ include "pdserve.fullname" . }}-internal
+{{- end -}}
+
+{{- define "pdserve.internalTLSSecretName" -}}
+{{- .Values.internalTLS.existingSecret | default (printf "%s-internal-tls" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "pdserve.internalTLSVolume" -}}
+{{- if .Values.internalTLS.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "pdserve.internalTLSSecretName" . }}
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.internalTLSMount" -}}
+{{- if .Values.internalTLS.enabled }}
+- {name: internal-tls, mountPath: /etc/pdserve/internal-tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* Worker flags: its gRPC port and KV links speak mutual TLS. */}}
+{{- define "pdserve.workerTLSArgs" -}}
+{{- if .Values.internalTLS.enabled }}
+- --tls-cert
+- /etc/pdserve/internal-tls/tls.crt
+- --tls-key
+- /etc/pdserve/internal-tls/tls.key
+- --tls-ca
+- /etc/pdserve/internal-tls/ca.crt
+{{- end }}
+{{- end -}}
+
+{{/* Router flags: it presents the certificate to workers and checks theirs by its name. */}}
+{{- define "pdserve.routerTLSArgs" -}}
+{{- if .Values.internalTLS.enabled }}
+- --worker-tls-cert
+- /etc/pdserve/internal-tls/tls.crt
+- --worker-tls-key
+- /etc/pdserve/internal-tls/tls.key
+- --worker-tls-ca
+- /etc/pdserve/internal-tls/ca.crt
+- --worker-tls-server-name
+- {{ include "pdserve.internalName" . }}
+{{- end }}
+{{- end -}}
+
 {{/* With a read-only root filesystem: caches and Ray's session files go to the /tmp emptyDir. */}}
 {{- define "pdserve.writableEnv" -}}
 - name: HOME
@@ -215,6 +269,29 @@ livenessProbe:
   failureThreshold: {{ $p.livenessFailureThreshold }}
 readinessProbe:
   httpGet: {path: /health, port: {{ .httpPort }}, scheme: HTTPS}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.readinessFailureThreshold }}
+{{- else -}}
+{{ include "pdserve.probes" . }}
+{{- end -}}
+{{- end -}}
+
+{{/* Worker probes: gRPC, or with internalTLS (the kubelet's gRPC probes speak no TLS) HTTP on the
+     metrics port: /health while the process serves, /ready while it takes work (503 draining).
+     Pass (dict "root" $ "port" N "metricsPort" M). */}}
+{{- define "pdserve.workerProbes" -}}
+{{- $p := .root.Values.probes -}}
+{{- if .root.Values.internalTLS.enabled -}}
+startupProbe:
+  httpGet: {path: /ready, port: {{ .metricsPort }}}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.startupFailureThreshold }}
+livenessProbe:
+  httpGet: {path: /health, port: {{ .metricsPort }}}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.livenessFailureThreshold }}
+readinessProbe:
+  httpGet: {path: /ready, port: {{ .metricsPort }}}
   periodSeconds: {{ $p.periodSeconds }}
   failureThreshold: {{ $p.readinessFailureThreshold }}
 {{- else -}}
