@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 
@@ -24,7 +25,7 @@ from pdserve.cluster_auth.dev_pki import make_cluster_pki
 from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
 from pdserve.cluster_auth.tls import InternalTLSConfig
 from router.config import RouterConfig
-from router.server import RouterServer
+from router.server import RouterServer, WorkersUnreachable
 from worker_runtime.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,42 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on every interface of the machine this runs on."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("0.0.0.0", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSlot:
+    """Where a worker actor of a joined cluster runs: a node, its address as Ray knows it (the one
+    routers and peers dial) and ports chosen free on that node."""
+
+    node_id: str
+    ip: str
+    ports: tuple[int, ...]
+
+
+def pick_nodes(nodes: list[dict], role: str, count: int, use_gpu: bool) -> list[dict]:
+    """Alive nodes for `count` workers of `role`, round robin: those declaring `pdserve_<role>`
+    when any does (the chart's KubeRay groups), with a GPU for CUDA workers."""
+    alive = [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+    declared = [n for n in alive if n["Resources"].get(f"pdserve_{role}", 0) > 0]
+    candidates = declared or alive
+    if use_gpu:
+        candidates = [n for n in candidates if n["Resources"].get("GPU", 0) > 0]
+    if not candidates:
+        raise RuntimeError(f"no alive Ray node can run a {role} worker"
+                           f"{' (with a GPU)' if use_gpu else ''}: {[n.get('NodeManagerAddress') for n in nodes]}")
+    return [candidates[i % len(candidates)] for i in range(count)]
+
+
 @dataclasses.dataclass
 class ClusterConfig:
     router: RouterConfig
@@ -112,14 +149,15 @@ class RayCluster:
     def start(self) -> None:
         import ray
         import torch
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         cfg = self.config
         num_workers = cfg.num_prefill + cfg.num_decode
         if not ray.is_initialized():
-            if cfg.ray_address:
+            if cfg.ray_address:  # "auto": the cluster `ray start` runs on this machine
                 ray.init(address=cfg.ray_address, logging_level=logging.WARNING, log_to_driver=True)
-            else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, num_workers), include_dashboard=False,
+            else:  # a private cluster, never one a `ray start` left on this machine
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_workers), include_dashboard=False,
                          logging_level=logging.WARNING, log_to_driver=True)
             self._started_ray = True
         # Joining a cluster, the workers run on other machines: a head without a GPU still
@@ -137,19 +175,28 @@ class RayCluster:
         actor_cls = ray.remote(WorkerProcess)
         pending = []
         for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
-            for _ in range(count):
+            slots = self._node_slots(role, count, use_gpu) if joined else [None] * count
+            for slot in slots:
                 engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device)
-                port = template.port or free_port(template.host)
-                # With router metrics on, every worker serves its own (a port fixed here, kept across restarts).
-                metrics_port = free_port(template.host) if cfg.router.metrics_port is not None else None
-                worker = dataclasses.replace(template, role=role, port=port, num_threads=threads, engine=engine,
-                                             metrics_port=metrics_port)
-                if metrics_port is not None:
-                    print(f"{role} worker metrics at http://{template.host}:{metrics_port}/metrics", flush=True)
+                worker = dataclasses.replace(template, role=role, num_threads=threads, engine=engine)
                 options = actor_options(role, use_gpu, resources)
-                if joined:  # other machines lack our secret file: their process env gets the secret
+                with_metrics = cfg.router.metrics_port is not None
+                if slot is None:  # this machine: ports free here, kept across actor restarts
+                    host = template.host
+                    worker = dataclasses.replace(worker, port=template.port or free_port(host),
+                                                 metrics_port=free_port(host) if with_metrics else None)
+                else:  # another node: its address as Ray knows it, ports free there, and it stays there
+                    host = slot.ip
+                    worker = dataclasses.replace(
+                        worker, port=template.port or slot.ports[0], advertise_host=slot.ip,
+                        metrics_port=slot.ports[1] if with_metrics else None,
+                        kv_transfer=dataclasses.replace(worker.kv_transfer, advertise_host=slot.ip))
+                    options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(slot.node_id, soft=False)
+                    # other machines lack our secret file: their process env gets the secret
                     options["runtime_env"] = {"env_vars": {ENV_VALUE: template.auth.read_secret().decode()}}
                     worker = dataclasses.replace(worker, auth=ClusterAuthConfig())
+                if worker.metrics_port is not None:
+                    print(f"{role} worker metrics at http://{host}:{worker.metrics_port}/metrics", flush=True)
                 actor = actor_cls.options(**options,
                                           max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
                                           name=None).remote(worker, cfg.log_level)
@@ -157,6 +204,18 @@ class RayCluster:
                 pending.append((role, actor.address.remote()))
         for role, ref in pending:
             self.addresses[role].append(ray.get(ref, timeout=WORKER_START_TIMEOUT_S))
+
+    @staticmethod
+    def _node_slots(role: str, count: int, use_gpu: bool) -> list[NodeSlot]:
+        """Nodes for `count` workers of `role`, with two ports each picked free on the node itself."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        probe = ray.remote(num_cpus=0)(free_ports)
+        nodes = pick_nodes(ray.nodes(), role, count, use_gpu)
+        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(2)
+                for n in nodes]
+        return [NodeSlot(n["NodeID"], n["NodeManagerAddress"], tuple(ports))
+                for n, ports in zip(nodes, ray.get(refs, timeout=120), strict=True)]
 
     def stop(self) -> None:
         import ray
@@ -201,7 +260,11 @@ def run_serve(config: ClusterConfig) -> int:
             return 0
         router_config = dataclasses.replace(config.router, prefill_workers=cluster.addresses["prefill"],
                                             decode_workers=cluster.addresses["decode"])
-        return asyncio.run(_serve_router(router_config, stop, config))
+        try:
+            return asyncio.run(_serve_router(router_config, stop, config))
+        except WorkersUnreachable as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
     finally:
         cluster.stop()
         shutil.rmtree(secret_dir, ignore_errors=True)

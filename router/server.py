@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
+class WorkersUnreachable(RuntimeError):
+    """A router told to wait for its workers could not reach every one of them."""
+
+
 class RouterServer:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -80,8 +84,11 @@ class RouterServer:
             from router.registry import RedisRegistry
             self._registry = RedisRegistry(self._redis, self.pool, config.health_interval_s, config.registry_ttl_s)
             await self._registry.start()
-        if wait_for_workers_s:
-            await self.pool.wait_healthy(wait_for_workers_s)
+        if wait_for_workers_s and not await self.pool.wait_healthy(wait_for_workers_s):
+            unreachable = [w.address for w in self.pool.workers if not w.healthy]
+            await self.stop()
+            raise WorkersUnreachable(f"workers not healthy through the addresses they advertise after "
+                                     f"{wait_for_workers_s:.0f}s: {', '.join(unreachable)}")
         self.runner = RequestRunner(builder, self.pipeline, self.metrics)
         self._server = new_server(max_receive_bytes=config.max_request_bytes)
         generate_pb2_grpc.add_GenerationServicer_to_server(

@@ -1,7 +1,12 @@
 """Where `pdserve serve` asks Ray to put worker actors."""
 from __future__ import annotations
 
-from pdserve.cluster import actor_options
+import asyncio
+import socket
+
+import pytest
+
+from pdserve.cluster import actor_options, free_ports, pick_nodes
 
 
 def test_local_cluster_needs_nothing_but_a_cpu():
@@ -13,3 +18,38 @@ def test_roles_follow_the_worker_groups_that_declare_them():
     assert actor_options("prefill", True, kuberay) == {"num_cpus": 1, "num_gpus": 1,
                                                        "resources": {"pdserve_prefill": 1}}
     assert actor_options("decode", True, kuberay)["resources"] == {"pdserve_decode": 1}
+
+
+def _node(ip: str, alive: bool = True, **resources) -> dict:
+    return {"NodeID": f"id-{ip}", "NodeManagerAddress": ip, "Alive": alive, "Resources": {"CPU": 4.0, **resources}}
+
+
+def test_joined_workers_go_to_nodes_declaring_their_pool_round_robin():
+    nodes = [_node("10.0.0.1"), _node("10.0.0.2", pdserve_prefill=1.0),
+             _node("10.0.0.3", pdserve_decode=2.0), _node("10.0.0.4", pdserve_decode=2.0),
+             _node("10.0.0.5", alive=False, pdserve_decode=2.0)]
+    assert [n["NodeManagerAddress"] for n in pick_nodes(nodes, "prefill", 2, False)] == ["10.0.0.2"] * 2
+    assert [n["NodeManagerAddress"] for n in pick_nodes(nodes, "decode", 3, False)] == \
+        ["10.0.0.3", "10.0.0.4", "10.0.0.3"]  # the dead node is never picked
+    plain = [_node("10.0.0.1"), _node("10.0.0.2", GPU=1.0)]
+    assert [n["NodeManagerAddress"] for n in pick_nodes(plain, "decode", 2, False)] == ["10.0.0.1", "10.0.0.2"]
+    assert [n["NodeManagerAddress"] for n in pick_nodes(plain, "decode", 2, True)] == ["10.0.0.2"] * 2
+    with pytest.raises(RuntimeError, match="no alive Ray node can run a prefill worker \\(with a GPU\\)"):
+        pick_nodes([_node("10.0.0.1")], "prefill", 1, True)
+
+
+def test_free_ports_are_distinct_and_bindable_on_every_interface():
+    ports = free_ports(3)
+    assert len(set(ports)) == 3
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
+
+
+def test_a_router_that_cannot_reach_its_workers_does_not_say_ready(smollm2_dir):
+    from router.config import RouterConfig
+    from router.server import RouterServer, WorkersUnreachable
+    nobody = f"127.0.0.1:{free_ports(1)[0]}"
+    router = RouterServer(RouterConfig(model=str(smollm2_dir), prefill_workers=[nobody], decode_workers=[nobody]))
+    with pytest.raises(WorkersUnreachable, match=f"workers not healthy .*{nobody}"):
+        asyncio.run(router.start(wait_for_workers_s=1.0))

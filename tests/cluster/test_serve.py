@@ -2,19 +2,32 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 
-from pdserve.protocol import worker_pb2, worker_pb2_grpc
-from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value, start
+from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from tests.cluster.harness import WORKER_FLAGS, free_port, generation_stub, metric_value, start
+
+
+def assert_plaintext_callers_refused(proc, code: grpc.StatusCode) -> None:
+    """A caller with neither the cluster secret nor a certificate gets `code` from every worker serve started."""
+    line = next(x for x in proc.output if x.startswith("workers:"))
+    workers = re.findall(r"(?:prefill|decode) (\S+:\d+)", line)
+    assert len(workers) == 2
+    for address in workers:
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
+            worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10)
+        assert refused.value.code() == code
 
 
 def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
@@ -56,13 +69,7 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
         assert metric_value(worker_metrics["decode"], "pdserve:generation_tokens_total", role="decode") >= 7
         assert metric_value(worker_metrics["prefill"], "pdserve:prompt_tokens_total", role="prefill") > 0
         # Internal links are authenticated by default: a caller without the generated secret is refused.
-        line = next(x for x in proc.output if x.startswith("workers:"))
-        workers = re.findall(r"(?:prefill|decode) (\S+:\d+)", line)
-        assert len(workers) == 2
-        for address in workers:
-            with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
-                worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10)
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert_plaintext_callers_refused(proc, grpc.StatusCode.UNAUTHENTICATED)
     finally:
         code = proc.stop(signal.SIGINT, timeout=60)
     assert code == 0, "".join(proc.output[-30:])
@@ -89,10 +96,34 @@ def test_serve_with_internal_tls_speaks_mutual_tls_inside(tmp_path, smollm2_dir)
         assert out["usage"]["completion_tokens"] == 6
         worker_metrics = dict(re.findall(r"(prefill|decode) worker metrics at (\S+)", "".join(proc.output)))
         assert metric_value(worker_metrics["prefill"], "pdserve:prompt_tokens_total", role="prefill") >= 40
-        for address in re.findall(r"(?:prefill|decode) (\S+:\d+)", line):  # plaintext: refused at the handshake
-            with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
-                worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10)
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert_plaintext_callers_refused(proc, grpc.StatusCode.UNAVAILABLE)  # refused at the TLS handshake
     finally:
         code = proc.stop(signal.SIGINT, timeout=60)
     assert code == 0, "".join(proc.output[-30:])
+
+
+def test_serve_starts_a_private_ray_cluster_beside_a_running_ray_start(tmp_path, smollm2_dir):
+    """`ray.init()` without an address joins the cluster a `ray start` left on this machine (its
+    address file); serve without --ray-address must start its own instead, as it says."""
+    ray, address_file = str(Path(sys.executable).with_name("ray")), Path("/tmp/ray/ray_current_cluster")
+    stale = address_file.exists()
+    head = subprocess.Popen([ray, "start", "--head", "--block", "--port", str(free_port()), "--num-cpus", "1",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not address_file.exists() or stale and address_file.stat().st_mtime < time.time() - 60:
+            assert head.poll() is None and time.monotonic() < deadline, "ray start did not come up"
+            time.sleep(0.5)
+        proc = start("serve", ["serve", "--prefill", "0", "--decode", "1", "--port", "0", *WORKER_FLAGS])
+        try:
+            request = generate_pb2.GenerateRequest(request_id="own-ray", text="Hi", params=generate_pb2.SamplingParams(
+                max_tokens=3, ignore_eos=True))
+            out = list(generation_stub(proc.address).Generate(request, timeout=120))
+            assert out[-1].complete.usage.completion_tokens == 3
+        finally:
+            assert proc.stop(signal.SIGINT, timeout=60) == 0, "".join(proc.output[-30:])
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(60)
+        address_file.unlink(missing_ok=True)  # what `ray stop` would remove
