@@ -1,0 +1,130 @@
+"""`pdserve serve --ray-address` across three hosts (network namespaces on a bridge, no default route):
+the head and router on host 1, a Ray node declaring the prefill pool on host 2 and one declaring the
+decode pool on host 3. Workers land on their pool's node, advertise the address Ray knows the node
+by, the KV of a prompt crosses the veth from host 2 to host 3, greedy output equals the offline
+engine's, and every worker ends with nothing held."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from tests.cluster.harness import WORKER_FLAGS
+from tests.cluster.test_cluster_outputs import run_cli
+from tests.multihost.netns import Hosts
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+HEAD_PORT = 6390
+ROUTER_PORT, METRICS_PORT = 50061, 9461
+PROMPT = ", ".join(str(i) for i in range(60))  # ~230 tokens: prefilled on host 2, not by the decode worker
+
+
+@pytest.fixture(scope="module")
+def ray_hosts():
+    hosts = Hosts(3)
+    temp = tempfile.mkdtemp(prefix="pdmh", dir="/tmp")  # short: Ray's socket paths live below it
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
+    try:
+        head = hosts.addresses[0]
+        starts = [[RAY, "start", "--head", "--node-ip-address", head, "--port", str(HEAD_PORT), "--num-cpus", "1",
+                   "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", f"{temp}/h1"]]
+        for host, pool in ((2, "prefill"), (3, "decode")):
+            starts.append([RAY, "start", "--address", f"{head}:{HEAD_PORT}", "--node-ip-address",
+                           hosts.addresses[host - 1], "--num-cpus", "2",
+                           "--resources", json.dumps({f"pdserve_{pool}": 4}),
+                           "--disable-usage-stats", "--temp-dir", f"{temp}/h{host}"])
+        for host, argv in enumerate(starts, 1):
+            done = hosts.run(host, argv, timeout=180, env=env, capture_output=True, text=True)
+            assert done.returncode == 0, f"ray start on host {host} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        yield hosts, env
+    finally:
+        hosts.kill_matching(temp)
+        hosts.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_serve_places_pools_on_their_hosts_and_kv_crosses_the_link(ray_hosts, tmp_path):
+    hosts, env = ray_hosts
+    head = hosts.addresses[0]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "mh", "prompt": PROMPT, "temperature": 0, "max_tokens": 12,
+                                                   "ignore_eos": True}) + "\n")
+    engine_flags = [f for f in WORKER_FLAGS if f not in ("--num-threads", "1")]
+    offline = run_cli(["generate", "--offline", *engine_flags, "--input", str(tmp_path / "in.jsonl"),
+                       "--output", str(tmp_path / "offline.jsonl")])
+    assert offline.returncode == 0, offline.stderr
+    serve = hosts.popen(1, [sys.executable, "-m", "pdserve.cli", "serve", "--ray-address", f"{head}:{HEAD_PORT}",
+                            "--prefill", "1", "--decode", "1", "--host", head, "--port", str(ROUTER_PORT),
+                            "--metrics-port", str(METRICS_PORT), *WORKER_FLAGS],
+                        env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)
+    output: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in serve.stdout:
+            output.append(line)
+            if line.startswith("ready:"):
+                ready.set()
+        ready.set()
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(600) and serve.poll() is None, "".join(output[-40:])
+        workers = next(line for line in output if line.startswith("workers:"))
+        # each pool on the node that declares it, at the address Ray knows that node by
+        assert re.search(rf"prefill {re.escape(hosts.addresses[1])}:\d+", workers), workers
+        assert re.search(rf"decode {re.escape(hosts.addresses[2])}:\d+", workers), workers
+        got = hosts.run(1, [sys.executable, "-m", "pdserve.cli", "generate", "--url", f"{head}:{ROUTER_PORT}",
+                            "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+                        timeout=300, env=env, capture_output=True, text=True)
+        assert got.returncode == 0, got.stderr[-2000:]
+        [want], [have] = ([json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
+                          for name in ("offline.jsonl", "out.jsonl"))
+        assert have["token_ids"] == want["token_ids"] and have["text"] == want["text"]
+        assert have["usage"]["prompt_tokens"] > 200
+        metrics = dict(re.findall(r"(prefill|decode) worker metrics at (\S+)", "".join(output)))
+        assert set(metrics) == {"prefill", "decode"}
+        probe = [sys.executable, "-c", "import sys, urllib.request; "
+                 "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"]
+        prefill_metrics = hosts.run(1, [*probe, metrics["prefill"]], timeout=60, capture_output=True, text=True)
+        assert metric_text_value(prefill_metrics.stdout, "pdserve:prompt_tokens_total") >= 200  # host 2 prefilled
+        deadline = time.monotonic() + 30
+        while True:  # the leak check, through the router's view of every worker
+            router = hosts.run(1, [*probe, f"http://{head}:{METRICS_PORT}/metrics"], timeout=60,
+                               capture_output=True, text=True).stdout
+            held = [metric_text_value(router, name, role=role) for role in ("prefill", "decode")
+                    for name in ("pdserve:worker_kv_blocks_used", "pdserve:worker_num_requests")]
+            if held == [0.0] * 4:
+                break
+            assert time.monotonic() < deadline, held
+            time.sleep(0.5)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGINT)
+            try:
+                serve.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.pid, signal.SIGKILL)
+    assert serve.returncode == 0, "".join(output[-30:])
+
+
+def metric_text_value(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples in Prometheus text whose labels include ``labels``."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"no {name} {labels} in the metrics"
+    return total
