@@ -82,16 +82,23 @@ def generation_stub(address: str):
     return generate_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
 
 
-def worker_stats(address: str) -> worker_pb2.WorkerStats:
+def worker_stats(address: str, secret_file: str | None = None) -> worker_pb2.WorkerStats:
+    """GetStats of a worker; with the cluster secret's file, carrying a cluster token."""
+    metadata = None
+    if secret_file is not None:
+        from pdserve.cluster_auth import ClusterAuthConfig, tokens
+        from pdserve.cluster_auth.grpc_auth import METADATA_KEY
+        key = ClusterAuthConfig(secret_file).load().grpc
+        metadata = [(METADATA_KEY, tokens.mint(key, "/pdserve.v1.Worker/GetStats"))]
     with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10)
+        return worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10, metadata=metadata)
 
 
-def assert_no_leaks(workers: list[Proc], timeout: float = 20.0) -> None:
+def assert_no_leaks(workers: list[Proc], timeout: float = 20.0, secret_file: str | None = None) -> None:
     """Every worker ends with no KV blocks in use and no request held (waits for aborts to land)."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = {w.address: worker_stats(w.address) for w in workers if w.popen.poll() is None}
+        stats = {w.address: worker_stats(w.address, secret_file) for w in workers if w.popen.poll() is None}
         busy = {a: (s.kv_blocks_used, s.num_requests) for a, s in stats.items()
                 if s.kv_blocks_used or s.num_requests}
         if not busy:

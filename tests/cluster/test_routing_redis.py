@@ -29,9 +29,11 @@ def suffix() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir):
+def cluster(smollm2_dir, tmp_path_factory):
+    from pdserve.cluster_auth import write_secret_file
     redis_server = RedisServer(free_port()).start()
-    registry = ["--redis-url", redis_server.url, "--registry-ttl-s", str(TTL_S)]
+    secret = write_secret_file(str(tmp_path_factory.mktemp("secret")))  # as in production: events signed
+    registry = ["--redis-url", redis_server.url, "--registry-ttl-s", str(TTL_S), "--cluster-secret-file", secret]
     procs = []
     try:
         workers = [start_worker(role, *registry) for role in ("prefill", "prefill", "decode")]
@@ -47,7 +49,7 @@ def cluster(smollm2_dir):
             procs.append(router)
         for router in routers:
             wait_for(lambda router=router: all(healthy(router, w) for w in workers), 30)
-        yield {"redis": redis_server, "workers": workers, "routers": routers, "registry": registry}
+        yield {"redis": redis_server, "workers": workers, "routers": routers, "registry": registry, "secret": secret}
     finally:
         for proc in procs:
             proc.stop()
@@ -92,7 +94,27 @@ def test_two_routers_route_a_sequence_identically(cluster):
         tail = suffix()
         a, b = generate(router_a, SYSTEM_PROMPTS[p] + tail), generate(router_b, SYSTEM_PROMPTS[p] + tail)
         assert (a["prefill"], a["decode"]) == (b["prefill"], b["decode"])
-    assert_no_leaks(cluster["workers"])
+    assert_no_leaks(cluster["workers"], secret_file=cluster["secret"])
+
+
+def test_kv_events_in_redis_are_signed_by_their_worker(cluster):
+    import redis
+
+    from pdserve import redis_keys
+    from pdserve.cluster_auth import ClusterAuthConfig, events
+    key = ClusterAuthConfig(cluster["secret"]).load().events
+    client = redis.Redis.from_url(cluster["redis"].url)
+    try:
+        streams = [k.decode() for k in client.scan_iter(match=f"{redis_keys.PREFIX}:kv_events:*")]
+        assert streams
+        entries = [(stream, fields) for stream in streams for _, fields in client.xrange(stream)]
+        assert entries  # the routing test before this one made the workers cache blocks
+        for stream, fields in entries:
+            assert events.verify(key, stream, fields[redis_keys.BATCH_FIELD], fields[redis_keys.SIGNATURE_FIELD])
+            assert not events.verify(key, stream + "x", fields[redis_keys.BATCH_FIELD],
+                                     fields[redis_keys.SIGNATURE_FIELD])  # bound to its own stream
+    finally:
+        client.close()
 
 
 def test_worker_joins_then_leaves_within_its_ttl_when_hung(cluster):
@@ -113,7 +135,7 @@ def test_worker_joins_then_leaves_within_its_ttl_when_hung(cluster):
     finally:
         os.kill(late.popen.pid, signal.SIGCONT)
         late.stop()
-    assert_no_leaks(cluster["workers"])
+    assert_no_leaks(cluster["workers"], secret_file=cluster["secret"])
 
 
 def test_redis_restart_is_survived_and_routers_resync(cluster):
@@ -138,4 +160,4 @@ def test_redis_restart_is_survived_and_routers_resync(cluster):
     time.sleep(0.5)
     again = generate(routers[1], other_prompt + suffix())
     assert again["prefill"] == first["prefill"] and again["cached"] >= SYSTEM_LEN
-    assert_no_leaks(workers)
+    assert_no_leaks(workers, secret_file=cluster["secret"])
