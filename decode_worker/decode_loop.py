@@ -126,14 +126,15 @@ class DecodeLoop(EngineLoop):
 
     # ---- asyncio side ------------------------------------------------------
     def decode(self, request_id: str, prompt: list[int], params: SamplingParams, source: KVSource | None,
-               sink: Sink, cache_salt: str = "") -> asyncio.Future:
-        """Start a request; its deltas (or a terminal exception) go to `sink`. (`cache_salt`:
-        LLMEngine.add_request.)
+               sink: Sink, cache_salt: str = "", resume_token_ids: list[int] | None = None) -> asyncio.Future:
+        """Start a request; its deltas (or a terminal exception) go to `sink`. (`cache_salt`,
+        `resume_token_ids` (a migrated request, recomputed here; never with `source`): LLMEngine.add_request.)
 
         The returned future fails at once for a request the engine refuses."""
         def add() -> None:
             if source is None:
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                        resume_token_ids=resume_token_ids)
             else:
                 self.engine.validate_prompt(prompt)
                 self.engine.validate_params(params, source.first_token_id)
