@@ -161,6 +161,17 @@ class DecodeLoop(EngineLoop):
         return self.call(run)
 
     # ---- engine thread -----------------------------------------------------
+    def end_all(self, exc: Exception) -> None:
+        """End every request (queued, pulling, running) with `exc`, freeing what each holds."""
+        for request_id in list(self._sinks):
+            job = self._pulling.pop(request_id, None)
+            if job is not None:
+                job.transfer.abort("the worker is shutting down")
+                self.engine.release_kv(request_id)
+            self._queued = deque(j for j in self._queued if j.request_id != request_id)
+            self.engine.abort_request(request_id)
+            self.emit(request_id, exc, last=True)
+
     def has_transfers(self) -> bool:
         return bool(self._pulling or self._queued)
 
