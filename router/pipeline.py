@@ -200,8 +200,15 @@ class GenerationPipeline:
                     self._abort_later(worker, worker_rid)
 
     async def _admit(self, prompt: list[int], hashes: list[int], exclude: tuple[WorkerClient, ...] = ()) -> Route:
+        """Admit a sample (a migrating one preferably on a worker not in `exclude`: when only those are
+        healthy, one still answering its health poll may take it back, under a new attempt id)."""
         try:
-            return await self.selector.route(prompt, hashes, exclude)
+            try:
+                return await self.selector.route(prompt, hashes, exclude)
+            except NoHealthyWorker:
+                if not exclude:
+                    raise
+            return await self.selector.route(prompt, hashes)
         except AdmissionRejected as exc:
             raise PipelineError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
         except NoHealthyWorker as exc:
@@ -255,7 +262,7 @@ class GenerationPipeline:
                 except asyncio.TimeoutError:
                     if deadline is not None and asyncio.get_running_loop().time() >= deadline:
                         raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-                    self.pool.mark_failed(worker, f"decode stream silent for {silence:g}s")  # the poll restores it
+                    self._recheck(worker)  # a stopped or hung worker then leaves rotation by its failed polls
                     raise _StreamBroken(MigrationReason.STREAM_TIMEOUT, PipelineError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"decode worker {worker.address}: stream silent for {silence:g}s")) from None

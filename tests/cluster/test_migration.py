@@ -1,7 +1,7 @@
 """Request migration on real processes: a decode worker stopped (SIGSTOP past the stream timeout) or
 killed (SIGKILL) mid-stream; its samples continue on the other decode worker, token for token.
 
-A cluster of its own (1 prefill, 2 decode; it kills one): router A migrates (stream timeout 3 s),
+A cluster of its own (1 prefill, 2 decode; it kills one): router A migrates (stream timeout 4 s),
 router B runs with --max-migrations 0 (today's behaviour)."""
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ from tests.cluster.harness import (
     worker_stats,
 )
 
-STREAM_TIMEOUT_S = 3
-PROMPTS = [f"Write a short poem about the number {i} and the sea." for i in range(16)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=40, ignore_eos=True)
+STREAM_TIMEOUT_S = 4
+MAX_TOKENS = 24
+PROMPTS = [f"Write a short poem about the number {i} and the sea." for i in range(8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +41,11 @@ def cluster(smollm2_dir):
     routers = []
     try:
         port = free_port()
-        migrating = start_router(workers[:1], workers[1:], "--metrics-port", str(port),
-                                 "--stream-timeout-s", str(STREAM_TIMEOUT_S))
-        migrating.metrics_url = f"http://127.0.0.1:{port}/metrics"
-        routers.append(migrating)
-        routers.append(start_router(workers[:1], workers[1:], "--max-migrations", "0",
-                                    "--stream-timeout-s", str(STREAM_TIMEOUT_S)))
+        flags = [("--metrics-port", str(port)), ("--max-migrations", "0")]
+        with ThreadPoolExecutor(2) as pool:
+            routers += pool.map(lambda extra: start_router(workers[:1], workers[1:], *extra, "--stream-timeout-s",
+                                                           str(STREAM_TIMEOUT_S)), flags)
+        routers[0].metrics_url = f"http://127.0.0.1:{port}/metrics"
         yield {"prefill": workers[0], "decode": workers[1:], "router": routers[0], "no_migration": routers[1]}
     finally:
         for proc in routers + workers:
@@ -75,6 +75,7 @@ class Stream:
         self.tokens: list[int] = []
         self.complete = None
         self.code: str | None = None
+        self.details = ""
         self.started = threading.Event()
         """Set once the first tokens arrived (the sample is decoding)."""
         request = build_request(uuid.uuid4().hex, params, token_ids=token_ids)
@@ -92,6 +93,7 @@ class Stream:
                         self.started.set()
         except grpc.RpcError as exc:
             self.code = exc.code().name
+            self.details = exc.details()
         finally:
             self.started.set()
 
@@ -145,13 +147,13 @@ def test_seeded_sampling_continues_exactly_across_a_migration(cluster, offline_g
     prompt = offline_greedy[0][0]
     reference = Stream(cluster["router"], prompt, SEEDED)
     reference.join()
-    assert reference.code is None and len(reference.tokens) == 40
+    assert reference.code is None and len(reference.tokens) == MAX_TOKENS
     before = migrations(cluster, "stream_timeout")
     moved = Stream(cluster["router"], prompt, SEEDED)
     stopped_until_migrated(cluster, [moved], before)
     assert moved.code is None
     assert moved.tokens == reference.tokens  # the resumed sampler skipped exactly the draws already made
-    assert moved.complete.usage.completion_tokens == 40 and moved.complete.usage.prompt_tokens == len(prompt)
+    assert moved.complete.usage.completion_tokens == MAX_TOKENS and moved.complete.usage.prompt_tokens == len(prompt)
     assert moved.complete.finish_reason == reference.complete.finish_reason
     assert_no_leaks([cluster["prefill"], *cluster["decode"]])
 
@@ -177,13 +179,14 @@ def test_max_migrations_0_fails_the_sample_unavailable(cluster, offline_greedy):
         stream.join()
     finally:
         victim.popen.send_signal(signal.SIGCONT)
-    assert stream.code == "UNAVAILABLE" and 3 <= len(stream.tokens) < 40
+    assert stream.code == "UNAVAILABLE" and 3 <= len(stream.tokens) < MAX_TOKENS
     assert_no_leaks([cluster["prefill"], *cluster["decode"]])
 
 
 def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine(cluster, offline_greedy):
-    """Runs last: kills a decode worker under 16 concurrent greedy streams."""
+    """Runs last: kills a decode worker under 16 concurrent greedy streams (each prompt twice)."""
     prompts, expected = offline_greedy
+    prompts, expected = prompts * 2, expected * 2
     before = migrations(cluster, "worker_lost")
     streams = [Stream(cluster["router"], p, GREEDY) for p in prompts]
     for s in streams:
@@ -194,7 +197,7 @@ def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine
     for s in streams:
         s.join()
     for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
-        assert s.code is None, (i, s.code)
+        assert s.code is None, (i, s.code, s.details)
         assert s.tokens == want, i
         assert s.complete.usage.completion_tokens == len(want) and s.complete.usage.prompt_tokens == len(prompts[i])
     assert migrations(cluster, "worker_lost") >= before + 1
