@@ -151,7 +151,7 @@ class GenerationPipeline:
                 if self.handle_key is not None:
                     handles.sign(self.handle_key, decode_req.kv, prompt)
             left: list[WorkerClient] = []
-            """Decode workers this sample's stream broke on (never chosen again for it)."""
+            """Decode workers this sample's stream broke on (avoided when it moves again)."""
             while True:
                 try:
                     async for msg in self._decode(decode_req, route.decode, deadline, touched):
