@@ -1,8 +1,8 @@
 """Request migration on real processes: a decode worker stopped (SIGSTOP past the stream timeout) or
 killed (SIGKILL) mid-stream; its samples continue on the other decode worker, token for token.
 
-A cluster of its own (1 prefill, 2 decode; it kills one): router A migrates (stream timeout 4 s),
-router B runs with --max-migrations 0 (today's behaviour)."""
+A cluster of its own (1 prefill, 3 decode with a 1 s drain timeout; it kills one and drains one):
+router A migrates (stream timeout 4 s), router B runs with --max-migrations 0 (today's behaviour)."""
 from __future__ import annotations
 
 import signal
@@ -36,8 +36,9 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=MAX_T
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
-    with ThreadPoolExecutor(3) as pool:
-        workers = list(pool.map(start_worker, ["prefill", "decode", "decode"]))
+    with ThreadPoolExecutor(4) as pool:
+        workers = list(pool.map(lambda role: start_worker(role, "--drain-timeout-s", "1"),
+                                ["prefill", "decode", "decode", "decode"]))
     routers = []
     try:
         port = free_port()
@@ -103,20 +104,24 @@ class Stream:
 
 
 @pytest.fixture(autouse=True)
-def both_decode_workers_in_rotation(cluster):
+def decode_workers_in_rotation(cluster):
     """A worker stopped by the test before is back in router A's rotation (its health poll answers again)."""
     deadline = time.monotonic() + 30
-    for w in cluster["decode"]:
+    for w in alive(cluster["decode"]):
         while metric_value(cluster["router"].metrics_url, "pdserve:worker_healthy", worker=w.address) != 1.0:
             assert time.monotonic() < deadline, f"{w.address} did not come back into rotation"
             time.sleep(0.1)
 
 
+def alive(procs):
+    return [p for p in procs if p.popen.poll() is None]
+
+
 def busiest_decode(cluster):
-    """The decode worker holding the most requests now (and how many)."""
-    held = [(worker_stats(w.address).num_requests, i) for i, w in enumerate(cluster["decode"])]
-    count, index = max(held)
-    return cluster["decode"][index], count
+    """The (live) decode worker holding the most requests now, and how many."""
+    workers = alive(cluster["decode"])
+    count, index = max((worker_stats(w.address).num_requests, i) for i, w in enumerate(workers))
+    return workers[index], count
 
 
 def migrations(cluster, reason: str) -> float:
@@ -184,7 +189,7 @@ def test_max_migrations_0_fails_the_sample_unavailable(cluster, offline_greedy):
 
 
 def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine(cluster, offline_greedy):
-    """Runs last: kills a decode worker under 16 concurrent greedy streams (each prompt twice)."""
+    """Kills a decode worker under 16 concurrent greedy streams (each prompt twice)."""
     prompts, expected = offline_greedy
     prompts, expected = prompts * 2, expected * 2
     before = migrations(cluster, "worker_lost")
@@ -203,3 +208,24 @@ def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine
     assert migrations(cluster, "worker_lost") >= before + 1
     survivors = [cluster["prefill"], *(w for w in cluster["decode"] if w is not victim)]
     assert_no_leaks(survivors)
+
+
+def test_a_decode_worker_drained_past_its_timeout_hands_its_streams_over(cluster, offline_greedy):
+    """Runs last (after the kill): SIGTERM with --drain-timeout-s 1 under streams of 24 tokens; what still
+    runs at the timeout ends as "draining" and migrates."""
+    prompts, expected = offline_greedy
+    before = migrations(cluster, "drained")
+    streams = [Stream(cluster["router"], p, GREEDY) for p in prompts[:4]]
+    for s in streams:
+        assert s.started.wait(120) and s.code is None, s.code
+    victim, held = busiest_decode(cluster)
+    assert held >= 1
+    victim.popen.terminate()
+    for s in streams:
+        s.join()
+    assert victim.popen.wait(30) == 0
+    for i, (s, want) in enumerate(zip(streams, expected[:4], strict=True)):
+        assert s.code is None, (i, s.code, s.details)
+        assert s.tokens == want and s.complete.usage.completion_tokens == len(want), i
+    assert migrations(cluster, "drained") >= before + 1
+    assert_no_leaks(alive([cluster["prefill"], *cluster["decode"]]))

@@ -44,7 +44,7 @@ def test_resumed_request_continues_token_for_token(engine, prompt, params):
     assert engine.kv.pool.num_used_blocks == 0
 
 
-def test_unseeded_skip_changes_the_draws(engine, prompt):
+def test_without_the_skipped_draws_the_seeded_continuation_differs(engine, prompt):
     """The seeded test above passes only because of the skipped draws: without them the tokens differ."""
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
     tokens = [t for d in run(engine, "w", prompt, params) for t in d.token_ids]
