@@ -128,14 +128,15 @@ class DecodeLoop(EngineLoop):
 
     # ---- asyncio side ------------------------------------------------------
     def decode(self, request_id: str, prompt: list[int], params: SamplingParams, source: KVSource | None,
-               sink: Sink, cache_salt: str = "") -> asyncio.Future:
-        """Start a request; its deltas (or a terminal exception) go to `sink`. (`cache_salt`:
-        LLMEngine.add_request.)
+               sink: Sink, cache_salt: str = "", resume_token_ids: list[int] | None = None) -> asyncio.Future:
+        """Start a request; its deltas (or a terminal exception) go to `sink`. (`cache_salt`,
+        `resume_token_ids` (a migrated request, recomputed here; never with `source`): LLMEngine.add_request.)
 
         The returned future fails at once for a request the engine refuses."""
         def add() -> None:
             if source is None:
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                        resume_token_ids=resume_token_ids)
             else:
                 self.engine.validate_prompt(prompt)
                 self.engine.validate_params(params, source.first_token_id)
@@ -162,6 +163,17 @@ class DecodeLoop(EngineLoop):
         return self.call(run)
 
     # ---- engine thread -----------------------------------------------------
+    def end_all(self, exc: Exception) -> None:
+        """End every request (queued, pulling, running) with `exc`, freeing what each holds."""
+        for request_id in list(self._sinks):
+            job = self._pulling.pop(request_id, None)
+            if job is not None:
+                job.transfer.abort("the worker is shutting down")
+                self.engine.release_kv(request_id)
+            self._queued = deque(j for j in self._queued if j.request_id != request_id)
+            self.engine.abort_request(request_id)
+            self.emit(request_id, exc, last=True)
+
     def has_transfers(self) -> bool:
         return bool(self._pulling or self._queued)
 

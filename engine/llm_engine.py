@@ -87,7 +87,8 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     first_token_id: int | None = None, prefill_only: bool = False,
-                    recompute_prompt: bool = False, cache_salt: str = "") -> None:
+                    recompute_prompt: bool = False, cache_salt: str = "",
+                    resume_token_ids: list[int] | None = None) -> None:
         """Queue a prompt. Raises InvalidParameter naming the bad field.
 
         With `first_token_id` (decode role) the prompt's KV must already sit in
@@ -100,9 +101,19 @@ class LLMEngine:
         token; unless that token ended it, its blocks are kept (the delta's
         `kv_block_ids`) until `release_kv`.
         `cache_salt` (also given to `reserve_kv`) keeps its prefix-cache blocks apart from other salts'.
+        With `resume_token_ids` (a migrated request) those tokens were already generated elsewhere:
+        prompt + them are computed here, and generation goes on after them as if this engine had
+        drawn them (stop rules count them; a seeded generator skips one draw per token).
         """
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params, first_token_id)
+        resumed = list(resume_token_ids or [])
+        if resumed:
+            self.validate_resume(prompt_token_ids, resumed)
+            if first_token_id is not None:
+                raise InvalidParameter("resume_token_ids", "cannot be given with first_token_id")
+            if params.n > 1:
+                raise InvalidParameter("n", "a resumed request continues one sample")
         if request_id in self._groups or request_id in self._handed_off:
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
         if (first_token_id is not None or prefill_only) and params.n > 1:
@@ -116,19 +127,22 @@ class LLMEngine:
         self._groups[request_id] = [request_id]
         self._group_params[request_id] = params
         self.scheduler.add_request(request)
-        if first_token_id is not None:
-            if not recompute_prompt:
-                request.num_computed_tokens = request.num_prompt_tokens
-                request.num_cached_tokens = self._reserved.pop(request_id)
-            request.append_token(first_token_id)
+        if first_token_id is not None and not recompute_prompt:
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.num_cached_tokens = self._reserved.pop(request_id)
+        drawn = [first_token_id] if first_token_id is not None else resumed
+        for token_id in drawn:  # generated elsewhere (prefill engine, or the worker a migration left)
+            request.append_token(token_id)
             if sample.generator is not None and not params.greedy:
-                self.sampler.skip_draw(sample.generator, self.model_config.vocab_size)  # prefill drew it
-            stop_string = sample.detokenizer.add_token(first_token_id)
-            sample.detokenizer.take_delta(False)  # the prefill side already streamed it
-            reason = self._stop_reason(request, first_token_id, stop_string)
-            if reason is not None:  # the first token already ended it: report at the next step
+                self.sampler.skip_draw(sample.generator, self.model_config.vocab_size)  # drawn there
+            stop_string = sample.detokenizer.add_token(token_id)
+            reason = self._stop_reason(request, token_id, stop_string)
+            if reason is not None:  # it already ended the request: report at the next step
                 self.scheduler.finish(request, reason)
                 self._ended_between_steps.append(sample)
+                break
+        if drawn:
+            sample.detokenizer.take_delta(False)  # the caller already streamed that text
 
     def reserve_kv(self, request_id: str, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
         """Decode role: blocks for a prompt whose KV is computed elsewhere.
@@ -202,6 +216,16 @@ class LLMEngine:
         if first_token_id is not None and (not isinstance(first_token_id, int) or not 0 <= first_token_id < vocab):
             raise InvalidParameter("first_token_id",
                                    f"token id {first_token_id} is outside the vocabulary [0, {vocab})")
+
+    def validate_resume(self, prompt_token_ids: list[int], resume_token_ids: list[int]) -> None:
+        """Tokens a migrated request already generated: in the vocabulary, and prompt + them within the context."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in resume_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("resume_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) + len(resume_token_ids) > self.max_model_len:
+            raise InvalidParameter("resume_token_ids", f"prompt plus resumed tokens exceed the context "
+                                                       f"({self.max_model_len} tokens)")
 
     def abort_request(self, request_id: str) -> bool:
         """End every sample of a request now, freeing its blocks (also blocks `reserve_kv` holds for it)."""

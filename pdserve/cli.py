@@ -136,6 +136,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-after-s", type=float, default=1.0, help="retry advice sent with RESOURCE_EXHAUSTED")
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument("--router-drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--max-migrations", type=int, default=3,
+                   help="how often one sample may move to another decode worker when its decode stream breaks "
+                        "(worker died, connection cut, drained, silent past --stream-timeout-s); 0: never")
+    p.add_argument("--stream-timeout-s", type=float, default=30.0,
+                   help="a decode stream silent this long counts as broken (migrated, or UNAVAILABLE); 0: no limit")
     p.add_argument("--max-n", type=int, default=16, help="most parallel samples (n) one request may ask for")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longest prompt text tokenized (default: max model len x 16 characters)")
@@ -172,6 +177,7 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         lease_s=args.lease_s,
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         drain_timeout_s=args.router_drain_timeout_s, max_n=args.max_n,
+                        max_migrations=args.max_migrations, stream_timeout_s=args.stream_timeout_s,
                         max_prompt_chars=args.max_prompt_chars, max_request_bytes=args.max_request_bytes,
                         security=FrontSecurityConfig(api_key_file=args.api_key_file,
                                                      tls_cert_file=args.tls_cert_file,

@@ -52,6 +52,12 @@ class RouterConfig:
     """Serve the OpenAI-compatible HTTP API at http://host:http_port/v1 (0 picks a free port)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight requests may take before the process exits."""
+    max_migrations: int = 3
+    """How often one sample may move to another decode worker when its decode stream breaks
+    (router/README.md, "Request migration"); 0: never (the sample fails UNAVAILABLE)."""
+    stream_timeout_s: float = 30.0
+    """A decode stream silent this long is broken (a hung or stopped worker): the sample migrates
+    (or fails UNAVAILABLE without migrations left). 0: no limit."""
     max_n: int = 16
     """Most parallel samples (`n`) one request may ask for; more get INVALID_ARGUMENT."""
     max_prompt_chars: int | None = None
@@ -88,6 +94,11 @@ class RouterConfig:
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.redis_password_file is not None and not os.access(self.redis_password_file, os.R_OK):
             raise ValueError(f"redis_password_file: cannot read {self.redis_password_file!r}")
+        if isinstance(self.max_migrations, bool) or not isinstance(self.max_migrations, int) \
+                or self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be an integer >= 0, got {self.max_migrations!r}")
+        if not self.stream_timeout_s >= 0:
+            raise ValueError(f"stream_timeout_s must be >= 0 (0: no limit), got {self.stream_timeout_s!r}")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:

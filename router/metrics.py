@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from pdserve.metrics_http import MetricsServer
+from router.migration import MigrationReason
 from router.worker_pool import WorkerPool
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25,
@@ -69,6 +70,11 @@ class RouterMetrics:
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished samples",
                                      registry=self.registry)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=self.registry)
+        self.migrations = Counter("pdserve:request_migrations", "Samples moved to another decode worker after "
+                                  "their decode stream broke, by reason (router/migration.py)", ["reason"],
+                                  registry=self.registry)
+        for reason in MigrationReason:
+            self.migrations.labels(reason.value)
 
     def serve(self, host: str, port: int) -> MetricsServer:
         """Start the /metrics HTTP server in a thread."""

@@ -11,8 +11,12 @@ whether remote prefill is worth it, and picks the prefill worker by the
 routing policy.
 
 Failure rules: a prefill worker that is unreachable is skipped (the next one
-is tried; nothing was streamed yet). Any other failure ends the sample with a
-PipelineError carrying the gRPC status. Whenever a sample ends other than by
+is tried; nothing was streamed yet). A decode stream that breaks (UNAVAILABLE:
+the worker died, the connection was cut, the worker drained; or silent for
+`stream_timeout_s`) migrates: the sample is re-admitted on another decode
+worker with the prompt and the tokens already streamed (`resume_token_ids`,
+recomputed there), up to `max_migrations` times (router/migration.py). Any
+other failure ends the sample with a PipelineError carrying the gRPC status. Whenever a sample ends other than by
 completing (error, cancel, deadline), every worker it touched is told to abort
 it, so no KV blocks or leases outlive the request.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -29,6 +33,7 @@ from pdserve.cluster_auth import handles
 from pdserve.protocol import generate_pb2, params_to_proto, worker_pb2
 from router.admission import AdmissionRejected
 from router.config import RouterConfig
+from router.migration import MigrationReason, SampleProgress, migration_reason
 from router.request_builder import PreparedRequest
 from router.worker_pool import WorkerClient
 from router.worker_selector import NoHealthyWorker, Route, WorkerSelector
@@ -45,9 +50,22 @@ class PipelineError(Exception):
         """Set on RESOURCE_EXHAUSTED: when the client should try again."""
 
 
+class _StreamBroken(Exception):
+    """A decode stream broke in a way another worker can cure (router/migration.py)."""
+
+    def __init__(self, reason: MigrationReason, error: PipelineError) -> None:
+        super().__init__(str(error))
+        self.reason = reason
+        self.error = error
+        """What the sample fails with when it may not migrate."""
+
+
 class GenerationPipeline:
-    def __init__(self, config: RouterConfig, selector: WorkerSelector) -> None:
+    def __init__(self, config: RouterConfig, selector: WorkerSelector,
+                 on_migration: Callable[[str], None] = lambda reason: None) -> None:
         self.config = config
+        self.on_migration = on_migration
+        """Called with the reason of every migration (the metric)."""
         self.selector = selector
         self.pool = selector.pool
         self._background: set[asyncio.Task] = set()
@@ -105,15 +123,12 @@ class GenerationPipeline:
     async def _sample(self, sample_id: str, index: int, request: PreparedRequest, params, deadline, hashes, routes):
         prompt = request.prompt_token_ids
         params_msg = params_to_proto(params)
-        touched: list[WorkerClient] = []
-        completed = False
-        try:
-            route = await self.selector.route(prompt, hashes)
-        except AdmissionRejected as exc:
-            raise PipelineError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
-        except NoHealthyWorker as exc:
-            raise PipelineError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        progress = SampleProgress(sample_id, self.config.max_migrations)
+        touched: list[tuple[WorkerClient, str]] = []
+        """(worker, request id there) of the current attempt: aborted unless the sample completes."""
+        route = await self._admit(prompt, hashes)
         routes.append((index, route))
+        reserved = True
         try:
             decode_req = worker_pb2.DecodeRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg,
                                                   cache_salt=request.cache_salt)
@@ -122,9 +137,10 @@ class GenerationPipeline:
                 first = await self._prefill(sample_id, prompt, hashes, params_msg, deadline, touched, route,
                                             request.cache_salt)
                 cached = first.cached_tokens
+                progress.observe(first.first.token_ids)
                 yield generate_pb2.GenerateResponse(index=index, chunk=first.first)
                 if first.finished:
-                    completed = True
+                    progress.finish()
                     yield generate_pb2.GenerateResponse(index=index, complete=generate_pb2.Complete(
                         finish_reason=first.finish_reason, usage=generate_pb2.Usage(
                             prompt_tokens=len(prompt), completion_tokens=len(first.first.token_ids),
@@ -134,18 +150,69 @@ class GenerationPipeline:
                 decode_req.kv.CopyFrom(first.kv)
                 if self.handle_key is not None:
                     handles.sign(self.handle_key, decode_req.kv, prompt)
-            async for msg in self._decode(decode_req, route.decode, deadline, touched):
-                msg.index = index
-                if msg.HasField("complete"):
-                    completed = True
-                    if cached is not None:  # the prompt was computed (or reused) by prefill
-                        msg.complete.usage.cached_tokens = cached
-                yield msg
+            left: list[WorkerClient] = []
+            """Decode workers this sample's stream broke on (avoided when it moves again)."""
+            while True:
+                try:
+                    async for msg in self._decode(decode_req, route.decode, deadline, touched):
+                        msg.index = index
+                        if msg.HasField("complete"):
+                            progress.finish()
+                            usage = msg.complete.usage
+                            if cached is not None:  # the prompt was computed (or reused) by prefill
+                                usage.cached_tokens = cached
+                            usage.cached_tokens = min(usage.cached_tokens, len(prompt))
+                        elif msg.HasField("chunk"):
+                            progress.observe(msg.chunk.token_ids)
+                        yield msg
+                    return
+                except _StreamBroken as broken:
+                    if not progress.may_migrate():
+                        raise broken.error from None
+                    left.append(route.decode)
+                    for worker, worker_rid in touched:  # the old attempt: free whatever it still holds
+                        self._abort_later(worker, worker_rid)
+                    touched.clear()
+                    self.selector.release(route)
+                    reserved = False
+                    attempt_id = progress.migrate(broken.reason)
+                    self.on_migration(broken.reason.value)
+                    logger.warning("%s: %s after %d tokens (%s); migrating (%d of at most %d)", sample_id,
+                                   broken.reason.value, len(progress.generated), broken.error,
+                                   len(progress.migrations), progress.max_migrations)
+                    context = progress.context(prompt)
+                    try:
+                        moved = await self._admit(context, self.selector.block_hashes(context, request.cache_salt),
+                                                  exclude=tuple(left))
+                    except PipelineError as exc:
+                        raise PipelineError(exc.code, f"{broken.error}; migration failed: {exc}",
+                                            exc.retry_after_s) from None
+                    route.decode, route.remote_prefill = moved.decode, False
+                    reserved = True
+                    decode_req = worker_pb2.DecodeRequest(request_id=attempt_id, prompt_token_ids=prompt,
+                                                          params=params_msg, cache_salt=request.cache_salt,
+                                                          resume_token_ids=progress.resume_token_ids)
         finally:
-            self.selector.release(route)
-            if not completed:
-                for worker in touched:
-                    self._abort_later(worker, sample_id)
+            if reserved:
+                self.selector.release(route)
+            if not progress.finished:
+                for worker, worker_rid in touched:
+                    self._abort_later(worker, worker_rid)
+
+    async def _admit(self, prompt: list[int], hashes: list[int], exclude: tuple[WorkerClient, ...] = ()) -> Route:
+        """Admit a sample (a migrating one preferably on a worker not in `exclude`: when only those are
+        healthy, one still answering its health poll may take it back, under a new attempt id)."""
+        try:
+            try:
+                return await self.selector.route(prompt, hashes, exclude)
+            except NoHealthyWorker:
+                if not exclude:
+                    raise
+            return await self.selector.route(prompt, hashes)
+        except AdmissionRejected as exc:
+            raise PipelineError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
+        except NoHealthyWorker as exc:
+            raise PipelineError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
     async def _prefill(self, sample_id, prompt, hashes, params_msg, deadline, touched, route: Route,
                        cache_salt: str = ""):
@@ -159,7 +226,7 @@ class GenerationPipeline:
                 raise PipelineError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker" + detail)
             worker, cached_blocks = picked
             route.prefill = worker
-            touched.append(worker)
+            touched.append((worker, sample_id))
             uncached = max(0, len(prompt) - cached_blocks * self.selector.block_size)
             idle = worker.working == 0 and not (worker.stats and worker.stats.num_waiting_tokens)
             started = asyncio.get_running_loop().time()
@@ -184,15 +251,31 @@ class GenerationPipeline:
                 worker.pending_prompts.pop(sample_id, None)
 
     async def _decode(self, decode_req, worker: WorkerClient, deadline, touched):
-        touched.append(worker)
+        """The decode worker's stream; raises _StreamBroken when it breaks in a way a migration cures."""
+        touched.append((worker, decode_req.request_id))
         call = worker.stub.Decode(decode_req, timeout=_remaining(deadline))
+        silence = self.config.stream_timeout_s or None
         try:
-            async for msg in call:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(call.read(), silence)
+                except asyncio.TimeoutError:
+                    if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                        raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+                    self._recheck(worker)  # a stopped or hung worker then leaves rotation by its failed polls
+                    raise _StreamBroken(MigrationReason.STREAM_TIMEOUT, PipelineError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"decode worker {worker.address}: stream silent for {silence:g}s")) from None
+                if msg is grpc.aio.EOF:
+                    return
                 yield msg
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._recheck(worker)
-            raise _worker_error(worker, exc) from None
+            reason = migration_reason(exc.code(), exc.details())
+            if reason is None:
+                raise _worker_error(worker, exc) from None
+            raise _StreamBroken(reason, _worker_error(worker, exc)) from None
         finally:
             call.cancel()
 

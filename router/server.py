@@ -51,7 +51,8 @@ class RouterServer:
         self.selector = WorkerSelector(self.pool, self.index, RoutingPolicy(config.routing_policy,
                                                                             config.routing_weights),
                                        self.admission, config.skip_prefill_tokens, self.routing_metrics)
-        self.pipeline = GenerationPipeline(config, self.selector)
+        self.pipeline = GenerationPipeline(config, self.selector,
+                                           on_migration=lambda reason: self.metrics.migrations.labels(reason).inc())
         self.keys = ApiKeys(config.security.api_key_file)
         self.pipeline.handle_key = keys.handle if keys else None
         self._events_key = keys.events if keys else None

@@ -67,13 +67,16 @@ class WorkerSelector:
     def block_hashes(self, prompt: list[int], cache_salt: str = "") -> list[int]:
         return hash_full_blocks(prompt, self.block_size, salt=cache_salt)
 
-    async def route(self, prompt: list[int], block_hashes: list[int]) -> Route:
-        """Admit the sample and reserve its decode worker; raises AdmissionRejected, or
-        NoHealthyWorker at once when there is no decode worker to wait for."""
-        if not self.pool.healthy("decode"):
-            raise NoHealthyWorker("no healthy decode worker")
+    async def route(self, prompt: list[int], block_hashes: list[int],
+                    exclude: tuple[WorkerClient, ...] = ()) -> Route:
+        """Admit the sample and reserve its decode worker (never one in `exclude`: those a migrating
+        sample left); raises AdmissionRejected, or NoHealthyWorker at once when there is no decode
+        worker to wait for."""
+        if not [w for w in self.pool.healthy("decode") if w not in exclude]:
+            raise NoHealthyWorker("no healthy decode worker" + (" left" if exclude else ""))
         try:
-            route, waited = await self.admission.admit(lambda: self._reserve(prompt, block_hashes), self.release)
+            route, waited = await self.admission.admit(lambda: self._reserve(prompt, block_hashes, exclude),
+                                                       self.release)
         except AdmissionRejected as exc:
             if self.metrics is not None:
                 self.metrics.observe_rejection(exc.reason)
@@ -101,8 +104,9 @@ class WorkerSelector:
         return worker, chosen.cached_blocks
 
     # ---- internals ------------------------------------------------------
-    def _reserve(self, prompt: list[int], block_hashes: list[int]) -> Route | None:
-        decode = [w for w in self.pool.healthy("decode") if w.has_room]
+    def _reserve(self, prompt: list[int], block_hashes: list[int],
+                 exclude: tuple[WorkerClient, ...] = ()) -> Route | None:
+        decode = [w for w in self.pool.healthy("decode") if w.has_room and w not in exclude]
         if not decode:
             return None
         prefill = self.pool.healthy("prefill")

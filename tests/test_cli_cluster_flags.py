@@ -20,6 +20,8 @@ CASES = [
     (["router", "--overlap-weight", "-2"], "routing weights must be >= 0"),
     (["router", "--queue-timeout-s", "0"], "queue_timeout_s must be > 0"),
     (["router", "--routing-policy", "fastest"], "invalid choice: 'fastest'"),
+    (["router", "--max-migrations", "-1"], "max_migrations must be an integer >= 0"),
+    (["serve", "--stream-timeout-s", "-1"], "stream_timeout_s must be >= 0"),
     (["router", "--tls-cert-file", "/dev/null"], "give both tls_cert_file and tls_key_file"),
     (["router", "--api-key-file", "/nonexistent/keys"], "api_key_file: cannot read"),
     (["serve", "--api-key-file", "/dev/null"], "holds no API key"),

@@ -25,6 +25,7 @@ from pdserve.grpc_common import MAX_MESSAGE_BYTES, add_health_and_reflection, ru
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
+from worker_runtime.errors import Draining
 from worker_runtime.kv_event_log import KvEventLog
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.servicer import WorkerServicer
@@ -121,6 +122,14 @@ class WorkerServer:
         while time.monotonic() < deadline and (self._servicer.in_flight
                                                or self._loop_thread.stats.get("num_requests", 0)):
             await asyncio.sleep(0.05)
+        if isinstance(self._loop_thread, DecodeLoop) and self._servicer.in_flight:
+            # End the streams still running as "draining" (UNAVAILABLE): routers migrate those samples
+            # (router/migration.py) instead of seeing them cut off by the shutdown.
+            loop = self._loop_thread
+            await loop.call(lambda: loop.end_all(Draining(f"the worker is draining: its {timeout_s:g}s drain "
+                                                          f"timeout passed")))
+            while self._servicer.in_flight and time.monotonic() < deadline + 5:
+                await asyncio.sleep(0.05)
 
     async def _leave_registry(self) -> None:
         if self._presence is not None:

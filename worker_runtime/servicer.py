@@ -78,6 +78,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async with self._admitted(context):
             params = await self._params(request.params, context)
             source = None
+            resumed = list(request.resume_token_ids)
+            if resumed and request.HasField("first_token_id"):
+                await _abort_with(context, InvalidParameter("resume_token_ids", "cannot be set with first_token_id"))
             if request.HasField("first_token_id"):
                 if self.handle_key is not None and not handles.verify(self.handle_key, request.kv,
                                                                       request.prompt_token_ids):
@@ -90,10 +93,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             items: asyncio.Queue = asyncio.Queue()
             prompt = list(request.prompt_token_ids)
             try:
-                await self.loop.decode(rid, prompt, params, source, items.put_nowait, cache_salt=request.cache_salt)
+                await self.loop.decode(rid, prompt, params, source, items.put_nowait, cache_salt=request.cache_salt,
+                                       resume_token_ids=resumed)
             except (InvalidParameter, WorkerError) as exc:
                 await _abort_with(context, exc)
-            num_tokens = 1 if source is not None else 0
+            num_tokens = 1 if source is not None else len(resumed)  # usage counts every generated token
             finished = False
             try:
                 while True:

@@ -95,16 +95,16 @@ def worker_stats(address: str, secret_file: str | None = None) -> worker_pb2.Wor
 
 
 def assert_no_leaks(workers: list[Proc], timeout: float = 20.0, secret_file: str | None = None) -> None:
-    """Every worker ends with no KV blocks in use and no request held (waits for aborts to land)."""
+    """Every worker ends with no KV blocks in use, no request held and no KV lease (waits for aborts to land)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = {w.address: worker_stats(w.address, secret_file) for w in workers if w.popen.poll() is None}
-        busy = {a: (s.kv_blocks_used, s.num_requests) for a, s in stats.items()
-                if s.kv_blocks_used or s.num_requests}
+        busy = {a: (s.kv_blocks_used, s.num_requests, s.num_leases) for a, s in stats.items()
+                if s.kv_blocks_used or s.num_requests or s.num_leases}
         if not busy:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"workers still hold (blocks, requests): {busy}")
+            raise AssertionError(f"workers still hold (blocks, requests, leases): {busy}")
         time.sleep(0.2)
 
 
