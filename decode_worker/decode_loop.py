@@ -27,7 +27,6 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import InvalidParameter, SamplingParams
 from kv_transfer import KVReceiver, KVTransferError, Transfer, TransferState
 from worker_runtime.engine_loop import EngineLoop, Sink
-from worker_runtime.link_speed import PullSpeed
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,6 @@ class DecodeLoop(EngineLoop):
         self._queued: deque[_Job] = deque()
         self._pulling: dict[str, _Job] = {}
         self.transfers_failed = 0
-        self.pull_speed = PullSpeed()
         self.num_recomputed = 0
 
     # ---- asyncio side ------------------------------------------------------
@@ -200,9 +198,7 @@ class DecodeLoop(EngineLoop):
             return
         del self._pulling[job.request_id]
         if state == TransferState.DONE:
-            seconds = time.monotonic() - job.pull_started
-            self.observe_transfer_s(seconds)
-            self.pull_speed.observe(job.transfer.bytes_moved, seconds)
+            self.observe_transfer_s(time.monotonic() - job.pull_started)
             self.engine.add_request(job.request_id, job.prompt, job.params,
                                     first_token_id=job.source.first_token_id, cache_salt=job.cache_salt)
         else:
@@ -292,6 +288,4 @@ class DecodeLoop(EngineLoop):
     def extra_stats(self) -> dict[str, int]:
         return {"num_pulls": len(self._pulling) + len(self._queued), "transfers_failed": self.transfers_failed,
                 "num_kv_recomputed": self.num_recomputed,
-                "kv_bytes_moved": int(self.receiver.stats().get("bytes_moved", 0)),
-                "kv_pull_fixed_s": self.pull_speed.fixed_s, "kv_pull_s_per_mb": self.pull_speed.s_per_byte * 1e6,
-                "kv_block_nbytes": self.engine.runner.kv_cache[0].nbytes}
+                "kv_bytes_moved": int(self.receiver.stats().get("bytes_moved", 0))}

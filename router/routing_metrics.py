@@ -28,9 +28,6 @@ class RoutingMetrics:
         self.skipped_prefill = Counter("pdserve:remote_prefill_skipped",
                                        "Samples the decode worker prefilled itself (prompt mostly cached there)",
                                        registry=registry)
-        self.slow_link = Counter("pdserve:remote_prefill_skipped_slow_link",
-                                 "Samples the decode worker prefilled itself because pulling the KV over its link "
-                                 "would take longer than computing it", registry=registry)
         self.rejected = Counter("pdserve:request_rejected", "Samples refused by admission control, by reason",
                                 ["reason"], registry=registry)
         for reason in REJECT_REASONS:
@@ -47,8 +44,6 @@ class RoutingMetrics:
         self.decisions.labels("decode", route.decode.address).inc()
         if not route.remote_prefill:
             self.skipped_prefill.inc()
-        if route.slow_link:
-            self.slow_link.inc()
 
     def observe_prefill(self, worker, prompt_blocks: int, cached_blocks: int) -> None:
         self.decisions.labels("prefill", worker.address).inc()

@@ -5,10 +5,7 @@ with room and reserves it, counting the sample on that worker until
 `release`. The decode choice also settles whether remote prefill is worth it:
 when the decode worker already holds all but `skip_prefill_tokens` of the
 prompt (its own prefix cache, as its KV events say), it prefills the rest
-itself; and when pulling the uncached blocks over its link (the cost the
-worker learnt from its own pulls) would take longer than computing them
-(the prefill workers' learnt per-token time), so a slow link never makes
-disaggregation slower than co-location. `pick_prefill` then chooses the prefill worker by the routing policy's
+itself. `pick_prefill` then chooses the prefill worker by the routing policy's
 cost (uncached prompt blocks, plus load).
 
 A prefill worker's cached blocks are what the KV index says it holds, or —
@@ -38,8 +35,6 @@ class Route:
     remote_prefill: bool
     prefill: WorkerClient | None = None
     """Set once a prefill worker is chosen (the last one tried)."""
-    slow_link: bool = False
-    """Prefilled on the decode worker because moving the KV would take longer than computing it."""
 
 
 class NoHealthyWorker(Exception):
@@ -118,18 +113,7 @@ class WorkerSelector:
         worker.in_flight += 1
         uncached = len(prompt) - chosen.cached_blocks * self.block_size
         remote = self.pool.has_role("prefill") and uncached >= self.skip_prefill_tokens
-        slow_link = remote and self._link_slower_than_compute(worker, uncached)
-        return Route(worker, remote and not slow_link, slow_link=slow_link)
-
-    def _link_slower_than_compute(self, decode: WorkerClient, tokens: int) -> bool:
-        """Would pulling `tokens` of KV to `decode` take longer than the fastest prefill worker computes them?"""
-        s = decode.stats
-        if s is None or s.kv_pull_s_per_mb <= 0 or not s.kv_block_nbytes:
-            return False  # no long pull seen yet: assume the link is no constraint
-        blocks = -(-tokens // self.block_size)
-        transfer_s = s.kv_pull_fixed_s + blocks * s.kv_block_nbytes / 1e6 * s.kv_pull_s_per_mb
-        speeds = [w.speed.estimate()[0] for w in self.pool.healthy("prefill")]
-        return bool(speeds) and transfer_s > tokens * min(speeds)
+        return Route(worker, remote)
 
     def _candidates(self, workers: list[WorkerClient], block_hashes: list[int],
                     in_progress: bool = False) -> list[Candidate]:

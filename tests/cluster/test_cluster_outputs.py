@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdserve.protocol import generate_pb2
-from tests.cluster.harness import WORKER_FLAGS, assert_no_leaks, generation_stub, worker_stats
+from tests.cluster.harness import WORKER_FLAGS, assert_no_leaks, generation_stub
 
 REQUESTS = [
     {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32},
@@ -61,12 +61,6 @@ def test_cluster_outputs_equal_offline_engine(topology, offline_results, workers
         assert got[key]["finish_reason"] == want["finish_reason"], key
         assert got[key]["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], key
     assert got[("stop", None)]["finish_reason"] in ("stop_string", "length")
-    # the decode workers report what their pulls cost, for the routers' slow-link rule
-    for decode in workers["decode"]:
-        stats = worker_stats(decode.address)
-        assert stats.kv_block_nbytes == 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2 fp32: layers x K,V x tokens x heads x dim
-        if stats.kv_bytes_moved:
-            assert stats.kv_pull_fixed_s > 0 or stats.kv_pull_s_per_mb > 0
     assert got[("one", None)]["usage"]["completion_tokens"] == 1
     assert_no_leaks(workers["prefill"] + workers["decode"])
 

@@ -58,26 +58,6 @@ def test_decode_prefills_itself_when_it_holds_nearly_all_the_prompt():
     asyncio.run(scenario())
 
 
-def test_a_link_slower_than_computing_keeps_the_prompt_on_the_decode_worker():
-    async def scenario():
-        pool, _, selector = make(max_requests=10)
-        decode = pool.get("d1:1")
-        for w in pool.healthy("prefill"):  # both prefill workers compute a token in 1 ms
-            w.speed.observe(256, 0.256 + w.speed.request_s)
-        assert (await selector.route(PROMPT, HASHES)).remote_prefill  # no pull seen yet: the link is no limit
-        decode.stats.kv_block_nbytes = 368_640  # 100 tokens = 7 blocks = 2.6 MB
-        decode.stats.kv_pull_fixed_s, decode.stats.kv_pull_s_per_mb = 0.001, 0.008  # ~1 Gbit/s: 21 ms < 100 ms
-        route = await selector.route(PROMPT, HASHES)
-        assert route.remote_prefill and not route.slow_link
-        decode.stats.kv_pull_s_per_mb = 0.08  # ~100 Mbit/s: 207 ms to move what takes 100 ms to compute
-        route = await selector.route(PROMPT, HASHES)
-        assert not route.remote_prefill and route.slow_link
-        for w in pool.healthy("prefill"):  # prefill 10x slower: moving the KV pays again
-            w.speed.observe(256, 2.56 + w.speed.request_s)
-        assert (await selector.route(PROMPT, HASHES)).remote_prefill
-    asyncio.run(scenario())
-
-
 def test_prefill_goes_to_the_holder_or_to_the_worker_already_computing_the_prefix():
     pool, index, selector = make()
     index.load_snapshot("p2:1", 1, HASHES[:3])
