@@ -8,8 +8,11 @@ from pathlib import Path
 from loadtest.config import DatasetConfig, LoadTestConfig, parse_slos
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="host:port of the router")
+def add_arguments(p: argparse.ArgumentParser, own_cluster: bool = False) -> None:
+    """The load-test flags; `own_cluster` where the caller starts the router itself (`pdserve chaos`):
+    no --url, TLS, API key, sweep or plots then."""
+    if not own_cluster:
+        p.add_argument("--url", required=True, help="host:port of the router")
     p.add_argument("--dataset", default="random", help="random | prefix | sharegpt:FILE")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
@@ -20,8 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout-s", type=float, default=None)
     p.add_argument("--goodput", nargs="+", metavar="METRIC:MS",
                    help="SLOs, e.g. --goodput ttft:200 tpot:50 (metrics: ttft, tpot, e2el)")
-    p.add_argument("--sweep", default=None, metavar="R1,R2,...",
-                   help="run once per request rate; report the highest with >= 90%% SLO attainment")
+    if not own_cluster:
+        p.add_argument("--sweep", default=None, metavar="R1,R2,...",
+                       help="run once per request rate; report the highest with >= 90%% SLO attainment")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="default", help="tokenizer for sharegpt texts")
     p.add_argument("--random-input-len", type=int, default=256)
@@ -33,25 +37,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-output-len", type=int, default=32)
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument("--output", default=None, help="JSON result file")
+    p.add_argument("--no-progress", action="store_true")
+    if own_cluster:
+        return
     p.add_argument("--save-requests", default=None, metavar="FILE.jsonl", help="per-request detail")
     p.add_argument("--plot-dir", default=None, help="write PNG plots here")
-    p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tls-ca", default=None, help="PEM CA certificate: reach the router over TLS and verify it")
     p.add_argument("--api-key-file", default=None, help="file whose first line is the API key (else $PDSERVE_API_KEY)")
 
 
-def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+def config_from_args(args: argparse.Namespace, url: str | None = None) -> LoadTestConfig:
     dataset = DatasetConfig.from_spec(
         args.dataset, random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio, prefix_num_prefixes=args.prefix_num_prefixes,
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, prefix_output_len=args.prefix_output_len,
         sharegpt_output_len=args.sharegpt_output_len, model=args.model)
-    return LoadTestConfig(url=args.url, dataset=dataset, num_prompts=args.num_prompts,
+    return LoadTestConfig(url=url or args.url, dataset=dataset, num_prompts=args.num_prompts,
                           request_rate=args.request_rate, burstiness=args.burstiness,
                           max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
                           duration_s=args.duration_s, request_timeout_s=args.request_timeout_s,
                           slos=parse_slos(args.goodput), seed=args.seed, progress=not args.no_progress,
-                          tls_ca_file=args.tls_ca, api_key_file=args.api_key_file)
+                          tls_ca_file=getattr(args, "tls_ca", None), api_key_file=getattr(args, "api_key_file", None))
 
 
 def parse_rates(text: str) -> list[float]:

@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_loadtest_args(sub.add_parser("loadtest", help="measure TTFT/ITL/TPOT/E2E latency and goodput of a running "
                                                       "cluster at a request rate"))
 
+    from pdserve.chaos.cli import add_arguments as add_chaos_args
+    add_chaos_args(sub.add_parser("chaos", help="start a local cluster, run a load test while killing, stopping and "
+                                                "draining workers on a schedule; report completed/migrated/failed "
+                                                "requests and leaks (exit 1 unless none failed and nothing leaked)"))
+
     for role in ("prefill", "decode"):
         worker = sub.add_parser(f"{role}-worker", help=f"run one {role} worker (its own gRPC server)")
         add_worker_args(worker, standalone=True)
@@ -275,6 +280,9 @@ def _prepare(args: argparse.Namespace):
     if args.command == "loadtest":
         from loadtest.cli import prepare
         return prepare(args)
+    if args.command == "chaos":
+        from pdserve.chaos.cli import prepare as prepare_chaos
+        return prepare_chaos(args)
     if args.command in ("prefill-worker", "decode-worker"):
         from worker_runtime.server import run_worker
         config = worker_config_from_args(args, args.command.split("-")[0])

@@ -13,7 +13,8 @@ routing policy.
 Failure rules: a prefill worker that is unreachable is skipped (the next one
 is tried; nothing was streamed yet). A decode stream that breaks (UNAVAILABLE:
 the worker died, the connection was cut, the worker drained; or silent for
-`stream_timeout_s`) migrates: the sample is re-admitted on another decode
+`stream_timeout_s` on a worker that no longer answers its health polls, or for
+SLOW_STREAM_PATIENCE times that on one that does) migrates: the sample is re-admitted on another decode
 worker with the prompt and the tokens already streamed (`resume_token_ids`,
 recomputed there), up to `max_migrations` times (router/migration.py). Any
 other failure ends the sample with a PipelineError carrying the gRPC status. Whenever a sample ends other than by
@@ -40,6 +41,9 @@ from router.worker_selector import NoHealthyWorker, Route, WorkerSelector
 
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
+SLOW_STREAM_PATIENCE = 4
+"""A silent stream on a decode worker that still answers its health polls migrates only after this many
+stream timeouts (it is overloaded, and moving its samples would add their recomputation elsewhere)."""
 
 
 class PipelineError(Exception):
@@ -165,7 +169,13 @@ class GenerationPipeline:
                         elif msg.HasField("chunk"):
                             progress.observe(msg.chunk.token_ids)
                         yield msg
-                    return
+                    if progress.finished:
+                        return
+                    logger.warning("%s: the stream of decode worker %s ended without completing the sample",
+                                   sample_id, route.decode.address)
+                    raise _StreamBroken(MigrationReason.WORKER_LOST, PipelineError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"decode worker {route.decode.address}: the stream ended without completing"))
                 except _StreamBroken as broken:
                     if not progress.may_migrate():
                         raise broken.error from None
@@ -255,17 +265,24 @@ class GenerationPipeline:
         touched.append((worker, decode_req.request_id))
         call = worker.stub.Decode(decode_req, timeout=_remaining(deadline))
         silence = self.config.stream_timeout_s or None
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                try:
-                    msg = await asyncio.wait_for(call.read(), silence)
-                except asyncio.TimeoutError:
-                    if deadline is not None and asyncio.get_running_loop().time() >= deadline:
-                        raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-                    self._recheck(worker)  # a stopped or hung worker then leaves rotation by its failed polls
-                    raise _StreamBroken(MigrationReason.STREAM_TIMEOUT, PipelineError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"decode worker {worker.address}: stream silent for {silence:g}s")) from None
+                last_msg = loop.time()
+                while True:
+                    try:
+                        msg = await asyncio.wait_for(call.read(), silence)
+                        break
+                    except asyncio.TimeoutError:
+                        if deadline is not None and loop.time() >= deadline:
+                            raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+                        silent = loop.time() - last_msg
+                        if loop.time() - worker.answered_at < silence and silent < SLOW_STREAM_PATIENCE * silence:
+                            continue  # it answers its health polls: overloaded, not hung; keep waiting
+                        self._recheck(worker)  # a stopped or hung worker then leaves rotation by its failed polls
+                        raise _StreamBroken(MigrationReason.STREAM_TIMEOUT, PipelineError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"decode worker {worker.address}: stream silent for {silent:.3g}s")) from None
                 if msg is grpc.aio.EOF:
                     return
                 yield msg

@@ -46,6 +46,8 @@ class WorkerClient:
     last_error: str = ""
     slow_polls: int = 0
     """Consecutive polls that timed out."""
+    answered_at: float = float("-inf")
+    """Event-loop time of its last answered poll (a silent stream on a worker that answers is slow, not hung)."""
 
     @property
     def occupancy(self) -> int:
@@ -175,6 +177,7 @@ class WorkerPool:
             self.mark_failed(worker, f"{exc.code().name}: {exc.details()}")
             return
         worker.slow_polls = 0
+        worker.answered_at = asyncio.get_running_loop().time()
         if not proven:
             self.mark_failed(worker, "did not prove it holds the cluster secret")
             return

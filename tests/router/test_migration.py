@@ -4,6 +4,7 @@ import asyncio
 import grpc
 import pytest
 
+from pdserve.protocol import generate_pb2
 from router.config import RouterConfig
 from router.migration import MigrationReason, SampleProgress, migration_reason
 from tests.router.test_worker_selector import HASHES, PROMPT, make
@@ -66,3 +67,113 @@ def test_a_migrating_sample_is_never_routed_back_to_the_worker_it_left():
         with pytest.raises(NoHealthyWorker):
             await selector.route(PROMPT, HASHES, exclude=(left, pool.get("d2:1")))
     asyncio.run(scenario())
+
+
+class _FakeDecodeCall:
+    """A decode worker's stream: the given responses, then a clean end (EOF)."""
+
+    def __init__(self, messages) -> None:
+        self._messages = list(messages)
+
+    async def read(self):
+        return self._messages.pop(0) if self._messages else grpc.aio.EOF
+
+    def cancel(self) -> None:
+        pass
+
+
+class _FakeWorkerStub:
+    def __init__(self, messages, on_call=lambda: None) -> None:
+        self.messages = messages
+        self.requests = []
+        self.on_call = on_call
+
+    def Decode(self, request, timeout=None):  # noqa: N802 - the gRPC method's name
+        self.requests.append(request)
+        self.on_call()
+        return _FakeDecodeCall(self.messages)
+
+    async def Abort(self, request, timeout=None):  # noqa: N802
+        return generate_pb2.AbortResponse(found=False)
+
+
+def test_a_stream_that_ends_without_completing_moves_instead_of_ending_the_sample_early():
+    """A decode stream that ends cleanly but without the sample's Complete must not end the client's
+    stream OK with tokens missing: it migrates like a lost worker, and the next worker finishes it."""
+    from engine.sampling_params import SamplingParams
+    from router.pipeline import GenerationPipeline
+    from router.request_builder import PreparedRequest
+
+    def chunk(token):
+        return generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(token_ids=[token]))
+
+    async def scenario():
+        pool, _, selector = make(prefill=(), decode=("d1:1", "d2:1"), max_requests=8)
+        d1, d2 = pool.get("d1:1"), pool.get("d2:1")
+        d2.healthy = False  # the sample starts on d1; d2 joins as d1's stream runs
+        d1.stub = _FakeWorkerStub([chunk(7)], on_call=lambda: setattr(d2, "healthy", True))  # then EOF, no Complete
+        d2.stub = _FakeWorkerStub([chunk(8), generate_pb2.GenerateResponse(
+            complete=generate_pb2.Complete(finish_reason=generate_pb2.FINISH_REASON_LENGTH))])
+        reasons = []
+        pipeline = GenerationPipeline(RouterConfig(), selector, on_migration=reasons.append)
+        request = PreparedRequest("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=2))
+        messages = [m async for m in pipeline.generate(request)]
+        await pipeline.wait_background()
+        return messages, reasons, pool
+
+    messages, reasons, pool = asyncio.run(scenario())
+    tokens = [t for m in messages if m.HasField("chunk") for t in m.chunk.token_ids]
+    assert reasons == ["worker_lost"] and tokens == [7, 8]
+    assert list(pool.get("d2:1").stub.requests[0].resume_token_ids) == [7]  # resumed after the token streamed
+    assert messages[-1].HasField("complete")
+
+
+class _SilentCall:
+    async def read(self):
+        await asyncio.sleep(3600)
+
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("answers_polls", [False, True])
+def test_a_silent_stream_moves_after_the_timeout_unless_its_worker_still_answers_polls(answers_polls):
+    """Silent for the stream timeout on a worker that stopped answering: moved at once. On one that still
+    answers its health polls (overloaded, not hung): moved only after SLOW_STREAM_PATIENCE timeouts."""
+    from engine.sampling_params import SamplingParams
+    from router.pipeline import SLOW_STREAM_PATIENCE, GenerationPipeline
+    from router.request_builder import PreparedRequest
+    timeout = 0.05
+
+    async def scenario():
+        pool, _, selector = make(prefill=(), decode=("d1:1", "d2:1"), max_requests=8)
+        d1, d2 = pool.get("d1:1"), pool.get("d2:1")
+        d2.healthy = False  # the sample starts on d1; d2 joins as d1's stream runs
+        d1.stub = _FakeWorkerStub([])
+        d1.stub.Decode = lambda request, timeout=None: (setattr(d2, "healthy", True), _SilentCall())[1]
+        d2.stub = _FakeWorkerStub([generate_pb2.GenerateResponse(
+            complete=generate_pb2.Complete(finish_reason=generate_pb2.FINISH_REASON_LENGTH))])
+        loop = asyncio.get_running_loop()
+
+        async def polls():
+            while answers_polls:
+                d1.answered_at = loop.time()
+                await asyncio.sleep(timeout / 5)
+
+        poller = asyncio.create_task(polls())
+        reasons = []
+        pipeline = GenerationPipeline(RouterConfig(stream_timeout_s=timeout), selector, on_migration=reasons.append)
+        started = loop.time()
+        request = PreparedRequest("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=2))
+        messages = [m async for m in pipeline.generate(request)]
+        took = loop.time() - started
+        poller.cancel()
+        await pipeline.wait_background()
+        return messages, reasons, took
+
+    messages, reasons, took = asyncio.run(scenario())
+    assert reasons == ["stream_timeout"] and messages[-1].HasField("complete")
+    if answers_polls:
+        assert took >= SLOW_STREAM_PATIENCE * timeout
+    else:
+        assert took < SLOW_STREAM_PATIENCE * timeout

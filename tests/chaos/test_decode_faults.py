@@ -1,71 +1,37 @@
-"""Request migration on real processes: a decode worker stopped (SIGSTOP past the stream timeout) or
-killed (SIGKILL) mid-stream; its samples continue on the other decode worker, token for token.
-
-A cluster of its own (1 prefill, 3 decode with a 1 s drain timeout; it kills one and drains one):
-router A migrates (stream timeout 4 s), router B runs with --max-migrations 0 (today's behaviour)."""
+"""Chaos scenarios 1, 3 and 5: a decode worker killed (SIGKILL) under 32 concurrent streams, stopped
+(SIGSTOP past the router's stream timeout, then SIGCONT) and drained past its timeout (SIGTERM,
+--drain-timeout-s 1). Its samples continue on another decode worker, token for token; every survivor
+(and the woken worker) ends holding nothing."""
 from __future__ import annotations
 
 import signal
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.client import build_request
-from tests.cluster.harness import (
-    WORKER_FLAGS,
-    assert_no_leaks,
-    free_port,
-    generation_stub,
-    metric_value,
-    start_router,
-    start_worker,
-    worker_stats,
-)
+from tests.cluster.harness import assert_no_leaks, generation_stub, metric_value, worker_stats
 
-STREAM_TIMEOUT_S = 4
 MAX_TOKENS = 24
-PROMPTS = [f"Write a short poem about the number {i} and the sea." for i in range(8)]
+PROMPTS = [f"Write a short poem about the number {i} and the sea." for i in range(16)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir):
-    with ThreadPoolExecutor(4) as pool:
-        workers = list(pool.map(lambda role: start_worker(role, "--drain-timeout-s", "1"),
-                                ["prefill", "decode", "decode", "decode"]))
-    routers = []
-    try:
-        port = free_port()
-        flags = [("--metrics-port", str(port)), ("--max-migrations", "0")]
-        with ThreadPoolExecutor(2) as pool:
-            routers += pool.map(lambda extra: start_router(workers[:1], workers[1:], *extra, "--stream-timeout-s",
-                                                           str(STREAM_TIMEOUT_S)), flags)
-        routers[0].metrics_url = f"http://127.0.0.1:{port}/metrics"
-        yield {"prefill": workers[0], "decode": workers[1:], "router": routers[0], "no_migration": routers[1]}
-    finally:
-        for proc in routers + workers:
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGCONT)
-            proc.stop()
+def cluster(chaos_cluster):
+    return chaos_cluster
 
 
 @pytest.fixture(scope="module")
-def offline_greedy(smollm2_dir):
+def offline_greedy(offline_engine):
     """The offline engine's greedy tokens for PROMPTS (the reference every migrated stream must equal)."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    flags = dict(zip(WORKER_FLAGS[::2], WORKER_FLAGS[1::2], strict=True))
-    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype=flags["--dtype"],
-                                    cache=CacheConfig(kv_cache_memory_bytes=256 << 20),
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=512)))
-    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    outputs = engine.generate(prompts, GREEDY)
+    prompts = [offline_engine.tokenizer.encode(p) for p in PROMPTS]
+    outputs = offline_engine.generate(prompts, GREEDY)
     return prompts, [o.completions[0].token_ids for o in outputs]
 
 
@@ -103,16 +69,6 @@ class Stream:
         assert not self._thread.is_alive()
 
 
-@pytest.fixture(autouse=True)
-def decode_workers_in_rotation(cluster):
-    """A worker stopped by the test before is back in router A's rotation (its health poll answers again)."""
-    deadline = time.monotonic() + 30
-    for w in alive(cluster["decode"]):
-        while metric_value(cluster["router"].metrics_url, "pdserve:worker_healthy", worker=w.address) != 1.0:
-            assert time.monotonic() < deadline, f"{w.address} did not come back into rotation"
-            time.sleep(0.1)
-
-
 def alive(procs):
     return [p for p in procs if p.popen.poll() is None]
 
@@ -120,7 +76,7 @@ def alive(procs):
 def busiest_decode(cluster):
     """The (live) decode worker holding the most requests now, and how many."""
     workers = alive(cluster["decode"])
-    count, index = max((worker_stats(w.address).num_requests, i) for i, w in enumerate(workers))
+    count, index = max((worker_stats(w.address, cluster["secret"]).num_requests, i) for i, w in enumerate(workers))
     return workers[index], count
 
 
@@ -160,18 +116,19 @@ def test_seeded_sampling_continues_exactly_across_a_migration(cluster, offline_g
     assert moved.tokens == reference.tokens  # the resumed sampler skipped exactly the draws already made
     assert moved.complete.usage.completion_tokens == MAX_TOKENS and moved.complete.usage.prompt_tokens == len(prompt)
     assert moved.complete.finish_reason == reference.complete.finish_reason
-    assert_no_leaks([cluster["prefill"], *cluster["decode"]])
+    assert_no_leaks([*cluster["prefill"], *cluster["decode"]], secret_file=cluster["secret"])
 
 
 def test_a_stopped_decode_worker_loses_its_streams_and_frees_them_when_it_wakes(cluster, offline_greedy):
     prompts, expected = offline_greedy
     before = migrations(cluster, "stream_timeout")
     streams = [Stream(cluster["router"], p, GREEDY) for p in prompts[:4]]
-    stale = stopped_until_migrated(cluster, streams, before)
+    stopped_until_migrated(cluster, streams, before)
     for s, want in zip(streams, expected[:4], strict=True):
         assert s.code is None and s.tokens == want
         assert s.complete.usage.completion_tokens == len(want)
-    assert_no_leaks([cluster["prefill"], stale, *cluster["decode"]])  # the woken worker freed what it held
+    # the woken worker freed what it held
+    assert_no_leaks([*cluster["prefill"], *cluster["decode"]], secret_file=cluster["secret"])
 
 
 def test_max_migrations_0_fails_the_sample_unavailable(cluster, offline_greedy):
@@ -185,11 +142,11 @@ def test_max_migrations_0_fails_the_sample_unavailable(cluster, offline_greedy):
     finally:
         victim.popen.send_signal(signal.SIGCONT)
     assert stream.code == "UNAVAILABLE" and 3 <= len(stream.tokens) < MAX_TOKENS
-    assert_no_leaks([cluster["prefill"], *cluster["decode"]])
+    assert_no_leaks([*cluster["prefill"], *cluster["decode"]], secret_file=cluster["secret"])
 
 
 def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine(cluster, offline_greedy):
-    """Kills a decode worker under 16 concurrent greedy streams (each prompt twice)."""
+    """Kills a decode worker under 32 concurrent greedy streams (each prompt twice)."""
     prompts, expected = offline_greedy
     prompts, expected = prompts * 2, expected * 2
     before = migrations(cluster, "worker_lost")
@@ -206,13 +163,13 @@ def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine
         assert s.tokens == want, i
         assert s.complete.usage.completion_tokens == len(want) and s.complete.usage.prompt_tokens == len(prompts[i])
     assert migrations(cluster, "worker_lost") >= before + 1
-    survivors = [cluster["prefill"], *(w for w in cluster["decode"] if w is not victim)]
-    assert_no_leaks(survivors)
+    survivors = [*cluster["prefill"], *(w for w in cluster["decode"] if w is not victim)]
+    assert_no_leaks(survivors, secret_file=cluster["secret"])
 
 
 def test_a_decode_worker_drained_past_its_timeout_hands_its_streams_over(cluster, offline_greedy):
-    """Runs last (after the kill): SIGTERM with --drain-timeout-s 1 under streams of 24 tokens; what still
-    runs at the timeout ends as "draining" and migrates."""
+    """SIGTERM with --drain-timeout-s 1 under streams of 24 tokens; what still runs at the timeout ends
+    as "draining" and migrates."""
     prompts, expected = offline_greedy
     before = migrations(cluster, "drained")
     streams = [Stream(cluster["router"], p, GREEDY) for p in prompts[:4]]
@@ -228,4 +185,4 @@ def test_a_decode_worker_drained_past_its_timeout_hands_its_streams_over(cluster
         assert s.code is None, (i, s.code, s.details)
         assert s.tokens == want and s.complete.usage.completion_tokens == len(want), i
     assert migrations(cluster, "drained") >= before + 1
-    assert_no_leaks(alive([cluster["prefill"], *cluster["decode"]]))
+    assert_no_leaks(alive([*cluster["prefill"], *cluster["decode"]]), secret_file=cluster["secret"])

@@ -1,0 +1,1 @@
+"""Fault injection under load (`pdserve chaos`) and the leak check it ends with."""
