@@ -6,8 +6,9 @@
 - `redis_router`: finds the workers through Redis only (no addresses on its command line);
 - `front`: gRPC + OpenAI HTTP over 2 prefill + 2 decode (the storm and the fuzzer).
 
-A scenario may kill, stop or drain workers; after each one every worker is brought back (restarted on
-its port, as a kubelet would) and back in rotation before the next, so scenarios stay independent."""
+A scenario may kill, stop or drain workers; after each one (modules mark their tests with the
+`workers_restored` fixture) every worker is brought back (restarted on its port, as a kubelet would)
+and back in rotation before the next, so scenarios stay independent."""
 from __future__ import annotations
 
 import signal
@@ -84,7 +85,7 @@ def wait_in_rotation(cluster, timeout: float = 60) -> None:
                 f"{w.address} is not back in {name}'s rotation"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def workers_restored(chaos_cluster):
     """After each scenario: stopped workers continued, dead ones restarted on their port, all in rotation."""
     yield

@@ -16,6 +16,8 @@ from engine.sampling_params import SamplingParams
 from pdserve.client import build_request
 from tests.cluster.harness import assert_no_leaks, generation_stub, metric_value, worker_stats
 
+pytestmark = pytest.mark.usefixtures("workers_restored")
+
 MAX_TOKENS = 24
 PROMPTS = [f"Write a short poem about the number {i} and the sea." for i in range(16)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -11,9 +11,12 @@ import uuid
 
 import grpc
 import httpx2 as httpx
+import pytest
 
 from pdserve.protocol import generate_pb2, generate_pb2_grpc
 from tests.cluster.harness import assert_no_leaks
+
+pytestmark = pytest.mark.usefixtures("workers_restored")
 
 CASES_PER_FRONT = 320
 VOCAB = 49152

@@ -7,9 +7,13 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from engine.sampling_params import SamplingParams
 from tests.chaos.test_decode_faults import Stream
 from tests.cluster.harness import assert_no_leaks, worker_stats
+
+pytestmark = pytest.mark.usefixtures("workers_restored")
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

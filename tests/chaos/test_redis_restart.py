@@ -9,10 +9,13 @@ import time
 import uuid
 
 import grpc
+import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.client import build_request
 from tests.cluster.harness import assert_no_leaks, generation_stub, metric_value
+
+pytestmark = pytest.mark.usefixtures("workers_restored")
 
 CLIENTS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

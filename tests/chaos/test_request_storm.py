@@ -12,11 +12,14 @@ from collections import Counter
 
 import grpc
 import httpx2 as httpx
+import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.client import build_request
 from pdserve.protocol import generate_pb2, generate_pb2_grpc
 from tests.cluster.harness import assert_no_leaks, metric_value
+
+pytestmark = pytest.mark.usefixtures("workers_restored")
 
 NUM_REQUESTS = 1000
 CONCURRENCY = 24
