@@ -279,7 +279,8 @@ class GenerationPipeline:
                         silent = loop.time() - last_msg
                         if loop.time() - worker.answered_at < silence and silent < SLOW_STREAM_PATIENCE * silence:
                             continue  # it answers its health polls: overloaded, not hung; keep waiting
-                        self._recheck(worker)  # a stopped or hung worker then leaves rotation by its failed polls
+                        self.pool.mark_failed(worker, f"decode stream silent for {silent:.3g}s")
+                        self._recheck(worker)  # back in rotation when it answers a poll again
                         raise _StreamBroken(MigrationReason.STREAM_TIMEOUT, PipelineError(
                             grpc.StatusCode.UNAVAILABLE,
                             f"decode worker {worker.address}: stream silent for {silent:.3g}s")) from None
@@ -287,9 +288,10 @@ class GenerationPipeline:
                     return
                 yield msg
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._recheck(worker)
             reason = migration_reason(exc.code(), exc.details())
+            if reason is not None:  # out of rotation now, not after a poll: the move must not pick it again
+                self.pool.mark_failed(worker, f"decode stream broke: {exc.code().name}: {exc.details()}")
+                self._recheck(worker)  # a worker that still answers (a cut connection) comes straight back
             if reason is None:
                 raise _worker_error(worker, exc) from None
             raise _StreamBroken(reason, _worker_error(worker, exc)) from None

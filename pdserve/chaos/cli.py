@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-args", default=DEFAULT_WORKER_ARGS,
                    help="extra flags for every worker, one string (e.g. \"--model DIR --dtype bfloat16\")")
     p.add_argument("--router-args", default="", help="extra flags for the router, one string")
+    p.add_argument("--log-dir", default=None, help="write each process's output to DIR/<name>.log")
 
 
 def config_from_args(args: argparse.Namespace) -> ChaosConfig:
@@ -45,7 +46,7 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
                        stream_timeout_s=args.stream_timeout_s, stop_s=args.stop_s,
                        drain_timeout_s=args.drain_timeout_s, max_migrations=args.max_migrations, seed=args.seed,
                        worker_args=shlex.split(args.worker_args), router_args=shlex.split(args.router_args),
-                       output=args.output)
+                       output=args.output, log_dir=args.log_dir)
 
 
 def prepare(args: argparse.Namespace):

@@ -44,6 +44,8 @@ class ChaosConfig:
     router_args: list[str] = field(default_factory=list)
     output: str | None = None
     """JSON report file."""
+    log_dir: str | None = None
+    """Write every process's output here (router.log, prefill-0.log, ...)."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:

@@ -24,6 +24,8 @@ class ManagedProcess:
     popen: subprocess.Popen | None = None
     address: str = ""
     output: list[str] = field(default_factory=list)
+    log_path: str | None = None
+    """Append everything it prints to this file too (kept across restarts)."""
 
     def start(self, timeout: float = 600) -> ManagedProcess:
         """Run it and wait for its ready line; raises RuntimeError (with its last output) if it never comes."""
@@ -40,7 +42,11 @@ class ManagedProcess:
         return self
 
     def _pump(self, popen: subprocess.Popen, found: threading.Event) -> None:
+        log = open(self.log_path, "a") if self.log_path else None  # noqa: SIM115 - closed below
         for line in popen.stdout:
+            if log is not None:
+                log.write(line)
+                log.flush()
             self.output.append(line)
             del self.output[:-OUTPUT_LINES_KEPT]
             match = READY.search(line)
@@ -48,6 +54,8 @@ class ManagedProcess:
                 self.address = match.group(1)
                 found.set()
         found.set()
+        if log is not None:
+            log.close()
 
     @property
     def alive(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import shutil
 import socket
 import tempfile
@@ -45,7 +46,8 @@ class ChaosCluster:
         for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
             self.workers[role] = [ManagedProcess(f"{role}[{i}]", [
                 f"{role}-worker", "--cluster-secret-file", self.secret_file,
-                "--drain-timeout-s", str(cfg.drain_timeout_s), *cfg.worker_args]) for i in range(count)]
+                "--drain-timeout-s", str(cfg.drain_timeout_s), *cfg.worker_args], log_path=self._log(f"{role}-{i}"))
+                for i in range(count)]
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(ManagedProcess.start, self.all_workers))
         metrics_port = _free_port()
@@ -55,7 +57,14 @@ class ChaosCluster:
             "--cluster-secret-file", self.secret_file, "--stream-timeout-s", str(cfg.stream_timeout_s),
             "--max-migrations", str(cfg.max_migrations),
             "--prefill-workers", ",".join(w.address for w in self.workers["prefill"]),
-            "--decode-workers", ",".join(w.address for w in self.workers["decode"]), *cfg.router_args]).start()
+            "--decode-workers", ",".join(w.address for w in self.workers["decode"]), *cfg.router_args],
+            log_path=self._log("router")).start()
+
+    def _log(self, name: str) -> str | None:
+        if self.config.log_dir is None:
+            return None
+        os.makedirs(self.config.log_dir, exist_ok=True)
+        return os.path.join(self.config.log_dir, f"{name}.log")
 
     @property
     def all_workers(self) -> list[ManagedProcess]:

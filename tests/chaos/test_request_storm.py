@@ -22,10 +22,10 @@ from tests.cluster.harness import assert_no_leaks, metric_value
 pytestmark = pytest.mark.usefixtures("workers_restored")
 
 NUM_REQUESTS = 1000
-CONCURRENCY = 24
+CONCURRENCY = 16
 ACTIONS = ("complete", "cancel", "deadline", "disconnect", "abort")
 WEIGHTS = (35, 20, 20, 15, 10)
-LONG = 400  # tokens asked of requests the client ends early: only an abort frees them in time
+LONG = 256  # tokens asked of requests the client ends early: only an abort frees them in time
 GRPC_OK = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
 HTTP_OK = {"200", "429", "client-timeout", "client-disconnect"}
 FRESH = httpx.Limits(max_keepalive_connections=0)
@@ -117,5 +117,6 @@ def test_a_thousand_requests_ended_every_which_way_all_end_with_a_status(chaos_c
     completed = sum(v for (front, action, status), v in counts.items() if action == "complete" and status in
                     ("OK", "200"))
     assert completed >= 0.9 * sum(v for (_, action, _), v in counts.items() if action == "complete"), counts
-    assert_no_leaks(cluster["prefill"] + cluster["decode"][:2], secret_file=cluster["secret"])
+    # 10 s: far less than what a request left running would take (~250 more tokens) had its abort been lost
+    assert_no_leaks(cluster["prefill"] + cluster["decode"][:2], timeout=10, secret_file=cluster["secret"])
     assert metric_value(router.metrics_url, "pdserve:router_queue_length") == 0
