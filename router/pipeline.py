@@ -266,24 +266,26 @@ class GenerationPipeline:
         call = worker.stub.Decode(decode_req, timeout=_remaining(deadline))
         silence = self.config.stream_timeout_s or None
         loop = asyncio.get_running_loop()
+        read = None
         try:
+            last_msg = loop.time()
             while True:
-                last_msg = loop.time()
-                while True:
-                    try:
-                        msg = await asyncio.wait_for(call.read(), silence)
-                        break
-                    except asyncio.TimeoutError:
-                        if deadline is not None and loop.time() >= deadline:
-                            raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-                        silent = loop.time() - last_msg
-                        if loop.time() - worker.answered_at < silence and silent < SLOW_STREAM_PATIENCE * silence:
-                            continue  # it answers its health polls: overloaded, not hung; keep waiting
-                        self.pool.mark_failed(worker, f"decode stream silent for {silent:.3g}s")
-                        self._recheck(worker)  # back in rotation when it answers a poll again
-                        raise _StreamBroken(MigrationReason.STREAM_TIMEOUT, PipelineError(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"decode worker {worker.address}: stream silent for {silent:.3g}s")) from None
+                # One read outstanding across waits: a timed-out wait must not cancel it (a cancelled
+                # read cancels the call, whose next read would then look like a clean end).
+                read = read or asyncio.ensure_future(call.read())
+                done, _ = await asyncio.wait({read}, timeout=silence)
+                if not done:
+                    if deadline is not None and loop.time() >= deadline:
+                        raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                    silent = loop.time() - last_msg
+                    if loop.time() - worker.answered_at < silence and silent < SLOW_STREAM_PATIENCE * silence:
+                        continue  # it answers its health polls: overloaded, not hung; keep waiting
+                    self.pool.mark_failed(worker, f"decode stream silent for {silent:.3g}s")
+                    self._recheck(worker)  # back in rotation when it answers a poll again
+                    raise _StreamBroken(MigrationReason.STREAM_TIMEOUT, PipelineError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"decode worker {worker.address}: stream silent for {silent:.3g}s"))
+                msg, read, last_msg = read.result(), None, loop.time()
                 if msg is grpc.aio.EOF:
                     return
                 yield msg
@@ -296,6 +298,8 @@ class GenerationPipeline:
                 raise _worker_error(worker, exc) from None
             raise _StreamBroken(reason, _worker_error(worker, exc)) from None
         finally:
+            if read is not None:
+                read.cancel()
             call.cancel()
 
     def _recheck(self, worker: WorkerClient) -> None:

@@ -177,3 +177,61 @@ def test_a_silent_stream_moves_after_the_timeout_unless_its_worker_still_answers
         assert took >= SLOW_STREAM_PATIENCE * timeout
     else:
         assert took < SLOW_STREAM_PATIENCE * timeout
+
+
+class _SlowCall:
+    """A stream whose messages come late, and which (like a grpc.aio call) is over once a read of it was
+    cancelled: every later read returns EOF."""
+
+    def __init__(self, messages, delay: float) -> None:
+        self._messages, self._delay, self._cancelled = list(messages), delay, False
+
+    async def read(self):
+        if self._cancelled or not self._messages:
+            return grpc.aio.EOF
+        try:
+            await asyncio.sleep(self._delay)
+        except asyncio.CancelledError:
+            self._cancelled = True
+            raise
+        return self._messages.pop(0)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+
+def test_waiting_on_a_slow_stream_does_not_cut_it():
+    """A worker that answers its polls but streams slower than the stream timeout: the router keeps the
+    same read outstanding, so the tokens arrive, the sample completes there, and nothing migrates."""
+    from engine.sampling_params import SamplingParams
+    from router.pipeline import GenerationPipeline
+    from router.request_builder import PreparedRequest
+    timeout = 0.05
+
+    async def scenario():
+        pool, _, selector = make(prefill=(), decode=("d1:1",), max_requests=8)
+        d1 = pool.get("d1:1")
+        d1.stub = _FakeWorkerStub([])
+        messages = [generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(token_ids=[t])) for t in (7, 8)]
+        messages.append(generate_pb2.GenerateResponse(complete=generate_pb2.Complete(
+            finish_reason=generate_pb2.FINISH_REASON_LENGTH)))
+        d1.stub.Decode = lambda request, **call_options: _SlowCall(messages, delay=2.5 * timeout)
+        loop = asyncio.get_running_loop()
+
+        async def polls():
+            while True:
+                d1.answered_at = loop.time()
+                await asyncio.sleep(timeout / 5)
+
+        poller = asyncio.create_task(polls())
+        reasons = []
+        pipeline = GenerationPipeline(RouterConfig(stream_timeout_s=timeout), selector, on_migration=reasons.append)
+        out = [m async for m in pipeline.generate(PreparedRequest("r", PROMPT, SamplingParams(max_tokens=2)))]
+        poller.cancel()
+        await pipeline.wait_background()
+        return out, reasons
+
+    out, reasons = asyncio.run(scenario())
+    assert reasons == []
+    assert [t for m in out if m.HasField("chunk") for t in m.chunk.token_ids] == [7, 8]
+    assert out[-1].HasField("complete")
