@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -93,6 +94,7 @@ def run_chaos(config: ChaosConfig) -> int:
     """The whole run; prints the table, writes the JSON; exit status 0 only when it passed."""
     secret_dir = tempfile.mkdtemp(prefix="pdserve-chaos-")
     cluster = ChaosCluster(config, write_secret_file(secret_dir, None))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the cluster's processes are stopped too
     try:
         print(f"starting {config.num_prefill} prefill + {config.num_decode} decode workers and a router",
               flush=True)
@@ -159,6 +161,10 @@ def _fault_loop(cluster: ChaosCluster, config: ChaosConfig, start: float, done: 
                 record.back_s = time.monotonic() - start
         except Exception as exc:  # noqa: BLE001 - reported as the fault's error, the run goes on
             record.error = repr(exc)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _free_port() -> int:
