@@ -152,7 +152,7 @@ def _fault_loop(cluster: ChaosCluster, config: ChaosConfig, start: float, done: 
                 or time.monotonic() - start >= config.duration_s:  # the previous fault outlasted the load
             return
         worker = cluster.workers[fault.role][fault.index]
-        record = FaultRecord(fault.kind, f"{fault.describe()} {worker.address}", time.monotonic() - start)
+        record = FaultRecord(fault.kind, f"{fault.role}[{fault.index}] {worker.address}", time.monotonic() - start)
         records.append(record)
         print(f"[{record.started_s:6.1f} s] {fault.describe()} ({worker.address})", flush=True)
         try:
