@@ -37,7 +37,7 @@ system-packages:
 
 test: setup system-packages
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: setup
 	$(PY) bench/offline_throughput.py
