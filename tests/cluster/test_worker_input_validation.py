@@ -124,8 +124,10 @@ def test_lease_from_the_caller_is_checked_and_capped(short_lease_prefill):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("lease_s:")
         request = worker_pb2.PrefillRequest(request_id="lease-forever", prompt_token_ids=PROMPT,
                                             params=params(max_tokens=4), lease_s=1e12)
+        started = time.monotonic()
         response = stub.Prefill(request, timeout=60)
-    assert response.HasField("kv") and worker_stats(address).kv_blocks_used > 0
-    started = time.monotonic()
-    assert_no_leaks([short_lease_prefill], timeout=20)  # held for the worker's --lease-s 2, not 1e12 s
-    assert time.monotonic() - started < 10
+    assert response.HasField("kv") and response.kv.block_ids  # blocks held under the lease
+    # Held for the worker's --lease-s 2, not 1e12 s. (Not checked through a stats poll right after the
+    # call: on a loaded machine the 2 s may already have passed by then.)
+    assert_no_leaks([short_lease_prefill], timeout=20)
+    assert time.monotonic() - started < 12
