@@ -103,7 +103,7 @@ class LLMEngine:
             return NgramProposer(spec.ngram_min, spec.ngram_max)
         if spec.method == "draft":
             from engine.spec_decode.draft import DraftProposer
-            return DraftProposer(self.config, self.model_config, self.max_model_len)
+            return DraftProposer(self.config, self.model_config, self.max_model_len, self.runner.num_blocks)
         return None
 
     # ---- requests ------------------------------------------------------
