@@ -262,3 +262,35 @@ def test_abort_mid_speculation_frees_everything(engine, prompts):
     while engine.has_unfinished():
         engine.step()
     assert_idle(engine)
+
+
+# ---- draft-model proposer -------------------------------------------------------
+
+
+def draft_engine(target, draft, k=3):
+    return LLMEngine(EngineConfig(model=str(target), dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=64 << 20),
+                                  speculative=SpeculativeConfig(method="draft", model=str(draft),
+                                                                num_speculative_tokens=k)))
+
+
+def test_draft_model_identical_to_target_is_always_accepted(tiny_qwen2_dir):
+    """The target as its own draft: every proposal accepted, the draft's KV bookkeeping exact."""
+    engine = draft_engine(tiny_qwen2_dir, tiny_qwen2_dir)
+    prompts = [list(range(100, 140)), list(range(7, 12)), [5] * 20]
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    got = ids(engine.generate(prompts, params))
+    assert engine.num_spec_draft_tokens > 30 and engine.num_spec_accepted_tokens == engine.num_spec_draft_tokens
+    assert got == ids(without_speculation(engine, prompts, params))
+    assert_idle(engine)
+    assert engine.proposer.kv.pool.num_used_blocks == 0 and not engine.proposer.shadows
+
+
+def test_random_draft_model_keeps_greedy_output_exact(smollm2_dir, tiny_qwen2_dir, prompts):
+    """SmolLM2 verified against a 2-layer random draft of the same vocabulary: mostly rejected, still exact."""
+    engine = draft_engine(smollm2_dir, tiny_qwen2_dir, k=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = ids(engine.generate(prompts[:2], params))
+    assert engine.num_spec_draft_tokens > 0
+    assert got == ids(without_speculation(engine, prompts[:2], params))
+    assert_idle(engine)
+    assert engine.proposer.kv.pool.num_used_blocks == 0
