@@ -161,6 +161,12 @@ def prompts(engine):
             engine.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8,")]
 
 
+@pytest.fixture(scope="module")
+def greedy32(engine, prompts):
+    """Greedy tokens without speculation (32 each; shorter runs are prefixes of these)."""
+    return ids(without_speculation(engine, prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)))
+
+
 def without_speculation(engine, prompts, params):
     proposer, engine.proposer = engine.proposer, None
     try:
@@ -180,10 +186,10 @@ def ids(outputs):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_greedy_with_speculation_equals_greedy_without(engine, prompts, overlap):
+def test_greedy_with_speculation_equals_greedy_without(engine, prompts, greedy32, overlap):
     """Steps reported as they run, and overlapped (step N+1 launched before step N is reported, as on CUDA)."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    want = ids(without_speculation(engine, prompts, params))
+    want = greedy32
     drafted, accepted = engine.num_spec_draft_tokens, engine.num_spec_accepted_tokens
     engine.overlap = overlap
     try:
@@ -196,15 +202,17 @@ def test_greedy_with_speculation_equals_greedy_without(engine, prompts, overlap)
     assert_idle(engine)
 
 
-def test_stop_rules_hold_inside_accepted_runs(engine, prompts):
-    for params in (SamplingParams(temperature=0, max_tokens=40, stop=["liquor"]),  # stop string, EOS
-                   SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)):  # max_tokens mid-run
-        want = without_speculation(engine, prompts[:2], params)
-        got = engine.generate(prompts[:2], params)
-        for w, g in zip(want, got, strict=True):
-            assert (g.completions[0].token_ids, g.completions[0].text, g.completions[0].finish_reason) == \
-                (w.completions[0].token_ids, w.completions[0].text, w.completions[0].finish_reason)
-        assert_idle(engine)
+def test_stop_rules_hold_inside_accepted_runs(engine, prompts, greedy32):
+    params = SamplingParams(temperature=0, max_tokens=30, stop=["liquor"])  # a stop string; EOS
+    want = without_speculation(engine, prompts[:2], params)
+    got = engine.generate(prompts[:2], params)
+    for w, g in zip(want, got, strict=True):
+        assert (g.completions[0].token_ids, g.completions[0].text, g.completions[0].finish_reason) == \
+            (w.completions[0].token_ids, w.completions[0].text, w.completions[0].finish_reason)
+    assert [g.completions[0].finish_reason for g in got] == ["stop_string", "stop"]
+    got = engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))
+    assert ids(got) == [greedy32[0][:13]]  # max_tokens reached inside an accepted run
+    assert_idle(engine)
 
 
 def test_seeded_sampling_is_deterministic(engine, prompts):
@@ -225,9 +233,9 @@ class WrongProposer:
         pass
 
 
-def test_rejected_tokens_leave_no_blocks_and_no_prefix_cache_entries(engine, prompts):
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    want = ids(without_speculation(engine, prompts[:2], params))
+def test_rejected_tokens_leave_no_blocks_and_no_prefix_cache_entries(engine, prompts, greedy32):
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    want = [g[:14] for g in greedy32[:2]]
     engine.kv.pool.reset_prefix_cache()
     proposer, engine.proposer = engine.proposer, WrongProposer()
     try:
