@@ -262,6 +262,27 @@ def test_rejected_tokens_leave_no_blocks_and_no_prefix_cache_entries(engine, pro
     assert [got["w0"], got["w1"]] == want  # every proposal rejected, still exactly the greedy tokens
 
 
+def test_decode_role_speculates_from_transferred_kv(engine, prompts, greedy32):
+    """Prefill role hands its KV off; the decode role (same engine here) continues with speculation."""
+    prompt = prompts[0]
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                       prefill_only=True)
+    (delta,) = engine.step()
+    src = delta.kv_block_ids
+    table, num_local = engine.reserve_kv("d", prompt)  # full blocks found in the prefix cache
+    engine.runner.kv_cache[table[num_local:]] = engine.runner.kv_cache[src[num_local:]]  # "the transfer"
+    assert engine.release_kv("p")
+    accepted = engine.num_spec_accepted_tokens
+    engine.add_request("d", prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                       first_token_id=delta.token_ids[0])
+    tokens = list(delta.token_ids)
+    while engine.has_unfinished():
+        tokens += [t for d in engine.step() for t in d.token_ids]
+    assert tokens == greedy32[0]
+    assert engine.num_spec_accepted_tokens > accepted
+    assert_idle(engine)
+
+
 def test_abort_mid_speculation_frees_everything(engine, prompts):
     engine.add_request("x", prompts[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     for _ in range(4):
@@ -289,6 +310,8 @@ def test_draft_model_identical_to_target_is_always_accepted(tiny_qwen2_dir):
     got = ids(engine.generate(prompts, params))
     assert engine.num_spec_draft_tokens > 30 and engine.num_spec_accepted_tokens == engine.num_spec_draft_tokens
     assert got == ids(without_speculation(engine, prompts, params))
+    pair = engine.generate(prompts[:1], SamplingParams(n=2, temperature=0, max_tokens=25, ignore_eos=True))[0]
+    assert [c.token_ids for c in pair.completions] == [got[0], got[0]]  # samples sharing blocks (copy-on-write)
     assert_idle(engine)
     assert engine.proposer.kv.pool.num_used_blocks == 0 and not engine.proposer.shadows
 
