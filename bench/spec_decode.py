@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per workload (at most 4)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec_decode.json"))
     args = ap.parse_args()
     if args.num_threads:
@@ -97,8 +98,9 @@ def main() -> None:
                                   ngram_min=args.ngram_min, ngram_max=args.ngram_max))
     chat = plain.tokenizer.apply_chat_template
     workloads = {
-        "repeat": [chat([{"role": "user", "content": f"Repeat this paragraph verbatim:\n\n{p}"}]) for p in PARAGRAPHS],
-        "nomatch": [chat([{"role": "user", "content": q}]) for q in OPEN_QUESTIONS],
+        "repeat": [chat([{"role": "user", "content": f"Repeat this paragraph verbatim:\n\n{p}"}])
+                   for p in PARAGRAPHS[:args.num_prompts]],
+        "nomatch": [chat([{"role": "user", "content": q}]) for q in OPEN_QUESTIONS[:args.num_prompts]],
     }
     for engine in (plain, spec):  # warm-up (kernels, allocator)
         run_one(engine, workloads["nomatch"][0], 8)
@@ -115,6 +117,9 @@ def main() -> None:
             per_prompt.append({"prompt_tokens": len(prompt), "identical": base["tokens"] == fast["tokens"],
                                "plain": {k: v for k, v in base.items() if k != "tokens"},
                                "ngram": {k: v for k, v in fast.items() if k != "tokens"}})
+            print(f"{name}: {len(prompt)} prompt tokens, {base['num_tokens']} out: plain {base['decode_tok_s']:.1f} "
+                  f"tok/s, ngram {fast['decode_tok_s']:.1f} tok/s, accepted {fast['accepted']}/{fast['drafted']}",
+                  flush=True)
         tok_plain = sum(p["plain"]["num_tokens"] - 1 for p in per_prompt)
         tok_spec = sum(p["ngram"]["num_tokens"] - 1 for p in per_prompt)
         plain_rate = tok_plain / sum(p["plain"]["decode_s"] for p in per_prompt)
