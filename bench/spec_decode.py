@@ -5,11 +5,12 @@ Two workloads of single greedy requests on SmolLM2 (one request in the engine at
            n-gram proposer guesses well (summaries and code edits behave alike);
   nomatch  open questions whose answers do not repeat the prompt: proposals are rare or wrong,
            which shows what speculation costs when it does not help.
-Each prompt runs on a plain engine and on an engine with `--speculative-method ngram`,
-alternately, in one process. Decode tok/s counts the tokens after the first one over the time
-after the first one (prefill excluded). Greedy outputs of both engines are compared token for token.
+Each prompt runs on a plain engine and on an engine with `--speculative-method ngram` in
+lockstep (one step of each in turn, in one process), so a shared machine's load falls on both
+alike. Decode tok/s counts the tokens after the first one over the summed time of the steps after
+the first token (prefill excluded). Greedy outputs of both engines are compared token for token.
 
-  .venv/bin/python bench/spec_decode.py --dtype bfloat16 --num-speculative-tokens 4
+  .venv/bin/python bench/spec_decode.py --dtype float32 --num-speculative-tokens 4
 """
 from __future__ import annotations
 
@@ -51,32 +52,55 @@ OPEN_QUESTIONS = [
 ]
 
 
-def run_one(engine: LLMEngine, prompt: list[int], max_tokens: int) -> dict:
-    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
-    tokens: list[int] = []
-    first_at = None
-    drafted, accepted = engine.num_spec_draft_tokens, engine.num_spec_accepted_tokens
-    start = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished():
-        for delta in engine.step():
-            tokens += delta.token_ids
-        steps += 1
-        if first_at is None and tokens:
-            first_at = time.perf_counter()
-    end = time.perf_counter()
-    assert engine.num_kv_blocks_used == 0
-    decode_s = end - first_at
-    return {"tokens": tokens, "num_tokens": len(tokens), "prefill_s": first_at - start, "decode_s": decode_s,
-            "decode_steps": steps - 1,
-            "decode_tok_s": (len(tokens) - 1) / decode_s if decode_s > 0 else float("nan"),
-            "drafted": engine.num_spec_draft_tokens - drafted, "accepted": engine.num_spec_accepted_tokens - accepted}
+class Run:
+    """One request on one engine, stepped from outside; step times summed."""
+
+    def __init__(self, engine: LLMEngine, prompt: list[int], max_tokens: int) -> None:
+        self.engine = engine
+        engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+        self.tokens: list[int] = []
+        self.prefill_s = self.decode_s = 0.0
+        self.steps = 0
+        self.drafted, self.accepted = engine.num_spec_draft_tokens, engine.num_spec_accepted_tokens
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished():
+            return
+        start = time.perf_counter()
+        had_first = bool(self.tokens)
+        for delta in self.engine.step():
+            self.tokens += delta.token_ids
+        elapsed = time.perf_counter() - start
+        if had_first:
+            self.decode_s += elapsed
+            self.steps += 1
+        else:
+            self.prefill_s += elapsed
+
+    def result(self) -> dict:
+        assert self.engine.num_kv_blocks_used == 0
+        n = len(self.tokens)
+        return {"tokens": self.tokens, "num_tokens": n, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "decode_steps": self.steps,
+                "decode_tok_s": (n - 1) / self.decode_s if self.decode_s > 0 else float("nan"),
+                "drafted": self.engine.num_spec_draft_tokens - self.drafted,
+                "accepted": self.engine.num_spec_accepted_tokens - self.accepted}
+
+
+def run_pair(plain: LLMEngine, spec: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[dict, dict]:
+    """Both engines run the prompt in lockstep (a step of one, then a step of the other), so the load of a
+    shared machine falls on both alike."""
+    a, b = Run(plain, prompt, max_tokens), Run(spec, prompt, max_tokens)
+    while plain.has_unfinished() or spec.has_unfinished():
+        a.step()
+        b.step()
+    return a.result(), b.result()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="float32", help="float32: greedy outputs must match token for token")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=1)
     ap.add_argument("--ngram-max", type=int, default=4)
@@ -102,8 +126,7 @@ def main() -> None:
                    for p in PARAGRAPHS[:args.num_prompts]],
         "nomatch": [chat([{"role": "user", "content": q}]) for q in OPEN_QUESTIONS[:args.num_prompts]],
     }
-    for engine in (plain, spec):  # warm-up (kernels, allocator)
-        run_one(engine, workloads["nomatch"][0], 8)
+    run_pair(plain, spec, workloads["nomatch"][0], 8)  # warm-up (kernels, allocator)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join([Path(sys.executable).name, *sys.argv]), "dtype": args.dtype,
                "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
@@ -112,8 +135,7 @@ def main() -> None:
     for name, prompts in workloads.items():
         per_prompt = []
         for prompt in prompts:
-            base = run_one(plain, prompt, args.max_tokens)
-            fast = run_one(spec, prompt, args.max_tokens)
+            base, fast = run_pair(plain, spec, prompt, args.max_tokens)
             per_prompt.append({"prompt_tokens": len(prompt), "identical": base["tokens"] == fast["tokens"],
                                "plain": {k: v for k, v in base.items() if k != "tokens"},
                                "ngram": {k: v for k, v in fast.items() if k != "tokens"}})
