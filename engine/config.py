@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, replace
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
@@ -48,6 +49,38 @@ class CacheConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (exact): a proposer guesses the next tokens, one target forward verifies them."""
+
+    method: str | None = None
+    """None (off), ngram (prompt lookup in the sequence's own tokens) or draft (a smaller model)."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per sequence and step (K); a verifying step computes K + 1 tokens."""
+    model: str | None = None
+    """draft: directory of the draft checkpoint (same tokenizer as the target)."""
+    ngram_min: int = 1
+    """ngram: shortest suffix of the sequence looked up in its earlier tokens."""
+    ngram_max: int = 4
+    """ngram: longest suffix tried first."""
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be in [1, 64]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative method 'draft' needs a draft model (speculative_model)")
+        if self.method != "draft" and self.model:
+            raise ValueError("a speculative model is only used with method 'draft'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclass
 class EngineConfig:
     model: str = "default"
     """A directory with config.json and *.safetensors, or 'default' (SmolLM2-135M-Instruct)."""
@@ -69,6 +102,7 @@ class EngineConfig:
     """Seed for requests that give none."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -141,6 +141,18 @@ class KVCacheManager:
                                hashes[i - 1] if i else NO_PARENT)
         self._num_registered[seq_id] = num_full
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Release the sequence's blocks past those covering `num_tokens` tokens, tail first (speculative
+        decoding: blocks that held only rejected proposals). They were never registered in the prefix cache."""
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if self._num_registered.get(seq_id, 0) > keep:
+            raise RuntimeError(f"{seq_id}: truncating registered blocks")
+        while len(table) > keep:
+            self.pool.release(table.pop())
+
     def free(self, seq_id: str) -> None:
         """Release all blocks of a sequence, tail first (so tails evict first)."""
         for block_id in reversed(self.block_tables.pop(seq_id, [])):

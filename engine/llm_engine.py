@@ -10,6 +10,12 @@ Disaggregated roles use the same engine. Prefill: `add_request(prefill_only=True
 stops a request after its first token and keeps its blocks (the delta carries
 their ids) until `release_kv`. Decode: `reserve_kv` allocates blocks for KV
 computed elsewhere, then `add_request(first_token_id=...)` continues from there.
+
+Speculative decoding (config.speculative): before each step the proposer guesses
+up to K next tokens for every decoding request; the step computes them with the
+request's last token, and the sampler verifies them against the K + 1 rows of
+logits (engine/spec_decode/). Accepted tokens go through the same stop rules one
+by one; the KV of rejected ones is dropped (scheduler.accept_spec).
 """
 from __future__ import annotations
 
@@ -26,9 +32,10 @@ from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionCollector, RequestOutput, SampleDelta
 from engine.request import FinishReason, Request
-from engine.sampler import Sampler, SampleRow
+from engine.sampler import SampledToken, Sampler, SampleRow, SpecRow
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import Proposer
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,7 +89,22 @@ class LLMEngine:
         self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
         """Launch step N+1 before reporting step N (see `step`)."""
         self._inflight: tuple | None = None
-        """(logits, sample rows, owners) of the launched step not yet collected."""
+        """(logits, sample rows, owners, spec rows, spec owners) of the launched step not yet collected."""
+        self.proposer: Proposer | None = self._make_proposer()
+        self.num_spec_draft_tokens = 0
+        """Speculative decoding: tokens proposed and verified so far."""
+        self.num_spec_accepted_tokens = 0
+        """Speculative decoding: proposed tokens the target accepted."""
+
+    def _make_proposer(self) -> Proposer | None:
+        spec = self.config.speculative
+        if spec.method == "ngram":
+            from engine.spec_decode.ngram import NgramProposer
+            return NgramProposer(spec.ngram_min, spec.ngram_max)
+        if spec.method == "draft":
+            from engine.spec_decode.draft import DraftProposer
+            return DraftProposer(self.config, self.model_config, self.max_model_len, self.runner.num_blocks)
+        return None
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -267,15 +289,25 @@ class LLMEngine:
 
     def _launch(self) -> None:
         """Schedule a step and start the model on it (on CUDA this returns before the GPU is done)."""
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return
-        sampling = [item.request for item in out.scheduled if item.samples]
+        sampling = [item for item in out.scheduled if item.samples]  # before finish_step advances them
         logits = self.runner.execute(out, self.kv)
         self.scheduler.finish_step(out)
         self.num_steps += 1
-        rows, owners = [], []
-        for row, request in enumerate(sampling):
+        rows, owners, spec_rows, spec_owners = [], [], [], []
+        row = 0
+        for item in sampling:
+            request = item.request
+            if item.spec_token_ids:
+                sample = self._samples[request.request_id]
+                spec_rows.append(SpecRow(row, request.params, sample.generator, item.spec_token_ids))
+                spec_owners.append(sample)
+                row += 1 + len(item.spec_token_ids)
+                continue
             suppress = self._suppressed(request)
             family = [self._samples[request.request_id]]
             family += [self._fork(request, i) for i in range(1, request.pending_forks + 1)]
@@ -283,19 +315,56 @@ class LLMEngine:
             for sample in family:
                 rows.append(SampleRow(row, sample.request.params, sample.generator, suppress))
                 owners.append(sample)
-        self._inflight = (logits, rows, owners)
+            row += 1
+        self._inflight = (logits, rows, owners, spec_rows, spec_owners)
+
+    def _propose(self) -> None:
+        """Ask the proposer for the next tokens of every decoding request that can use them."""
+        k_max = self.config.speculative.num_speculative_tokens
+        requests, limits = [], []
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            params = request.params
+            if (request.num_tokens - request.num_computed_tokens != 1 or request.pending_forks
+                    or request.prefill_only or params.logprobs is not None
+                    or request.num_output_tokens < params.min_tokens):
+                continue
+            # K + 1 tokens may be emitted: stay within max_tokens and the context
+            k = min(k_max, params.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens - 1)
+            if k >= 1:
+                requests.append(request)
+                limits.append(k)
+        if requests:
+            for request, proposal in zip(requests, self.proposer.propose(requests, limits), strict=True):
+                request.spec_token_ids = proposal
 
     def _collect(self) -> list[_Sample]:
         """Sample the launched step (waiting for the model) and accept each token; the samples that took one."""
         if self._inflight is None:
             return []
-        logits, rows, owners = self._inflight
+        logits, rows, owners, spec_rows, spec_owners = self._inflight
         self._inflight = None
         tokens = self.sampler.sample(logits, rows)
         accepted = []
         for sample, token in zip(owners, tokens, strict=True):
             if not sample.request.is_finished:  # not aborted while the step ran
                 self._accept(sample, token)
+                accepted.append(sample)
+        if spec_rows:
+            verified = self.sampler.verify(logits, spec_rows)
+            for sample, spec_row, emitted in zip(spec_owners, spec_rows, verified, strict=True):
+                if sample.request.is_finished:
+                    continue
+                self.num_spec_draft_tokens += len(spec_row.draft_token_ids)
+                self.num_spec_accepted_tokens += len(emitted) - 1
+                num_taken = 0
+                for token_id in emitted:  # one by one through the stop rules
+                    self._accept(sample, SampledToken(token_id))
+                    num_taken += 1
+                    if sample.request.is_finished:
+                        break
+                self.scheduler.accept_spec(sample.request, num_taken - 1)
                 accepted.append(sample)
         return accepted
 
@@ -393,6 +462,8 @@ class LLMEngine:
 
     def _forget(self, request: Request) -> None:
         self._samples.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.free(request.request_id)
         group = self._groups.get(request.group_id, [])
         if all(sid not in self._samples for sid in group):
             self._groups.pop(request.group_id, None)

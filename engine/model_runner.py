@@ -93,7 +93,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
-        """Run one step; return logits [num_sampling_requests, vocab] in scheduled order."""
+        """Run one step; return logits in scheduled order: one row per sampling request, 1 + K rows for a
+        request verifying K proposed tokens."""
         for src, dst in out.block_copies:
             self.kv_cache[dst].copy_(self.kv_cache[src])
         if self.varlen is not None:
@@ -122,7 +123,7 @@ class ModelRunner:
             end = start + item.num_new_tokens
             table = kv.block_table(req.request_id)
             token_start = len(input_ids)
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(item.input_token_ids())
             pos = range(start, end)
             positions.extend(pos)
             slot_blocks.extend(table[p // bs] for p in pos)
@@ -135,8 +136,7 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSpan(token_start, len(input_ids), start,
                                             torch.tensor(table[:num_table], device=self.device)))
-            if item.samples:
-                logits_indices.append(len(input_ids) - 1)
+            logits_indices.extend(range(len(input_ids) - item.num_logits, len(input_ids)))
         dev = self.device
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, device=dev),

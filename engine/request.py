@@ -52,6 +52,8 @@ class Request:
     """Prefill role: stop after the first token and keep the blocks for a transfer."""
     cache_salt: str = ""
     """Mixed into the first block hash: only requests with the same salt share prefix-cache blocks."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed next tokens (speculative decoding) for the coming step; the scheduler takes them."""
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.rejection import greedy_verify, rejection_sample
 
 
 @dataclass
@@ -22,6 +23,17 @@ class SampleRow:
     generator: torch.Generator | None
     suppress_token_ids: list[int]
     """Token ids masked out (EOS/stop ids before min_tokens is reached)."""
+
+
+@dataclass
+class SpecRow:
+    """A sequence that computed K proposed tokens: its K + 1 consecutive rows of logits to verify them."""
+
+    logits_row: int
+    """The first of the rows (the one after the sequence's last accepted token)."""
+    params: SamplingParams
+    generator: torch.Generator | None
+    draft_token_ids: list[int]
 
 
 @dataclass
@@ -55,6 +67,23 @@ class Sampler:
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
             self._add_logprobs(logits[want], [rows[i] for i in want], [results[i] for i in want])
+        return results
+
+    def verify(self, logits: torch.Tensor, rows: list[SpecRow]) -> list[list[int]]:
+        """For each row: the proposed tokens the target accepts plus one token of its own (exact: greedy rows
+        equal greedy decoding, random rows follow the target's distribution; see spec_decode/rejection.py)."""
+        results = []
+        for row in rows:
+            k = len(row.draft_token_ids)
+            target = logits[row.logits_row:row.logits_row + k + 1]
+            if row.params.greedy:
+                results.append(greedy_verify(target.argmax(dim=-1).tolist(), row.draft_token_ids))
+                continue
+            target = target / row.params.temperature
+            if row.params.top_k or row.params.top_p < 1.0:
+                target = _apply_top_k_top_p(target, [row.params.top_k] * (k + 1), [row.params.top_p] * (k + 1))
+            generator = row.generator if row.generator is not None else self.generator
+            results.append(rejection_sample(target.softmax(dim=-1), row.draft_token_ids, generator))
         return results
 
     @staticmethod

@@ -5,6 +5,12 @@ still lacks KV for, up to the budget (so long prompts are chunked). If blocks
 run out, the newest running request is preempted (blocks freed, recomputed
 later from the front of the waiting queue). Then waiting requests are admitted
 while budget, sequence slots and blocks last, reusing prefix-cached blocks.
+
+Speculative decoding: a decoding request (one token lacking KV) that carries
+proposed tokens (`request.spec_token_ids`) computes them too, 1 + K tokens,
+if budget and blocks allow (else it decodes one token as usual). Only the
+request's real tokens count as computed after the step; `accept_spec` adds the
+accepted proposals and frees blocks that hold nothing but rejected KV.
 """
 from __future__ import annotations
 
@@ -20,12 +26,26 @@ from engine.request import FinishReason, Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    """Tokens computed this step, starting at request.num_computed_tokens."""
+    """Tokens computed this step, starting at request.num_computed_tokens (proposed tokens included)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed tokens computed after the request's last token, to be verified."""
 
     @property
     def samples(self) -> bool:
         """True when this step computes the request's last token (so it samples)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this request needs: 1 + K when it verifies K proposals, 1 when it samples, else 0."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
+
+    def input_token_ids(self) -> list[int]:
+        """The tokens this step computes: the request's own, then the proposals."""
+        start = self.request.num_computed_tokens
+        own = self.request.all_token_ids[start:start + self.num_new_tokens]
+        return own + self.spec_token_ids if self.spec_token_ids else own
 
 
 @dataclass
@@ -73,12 +93,18 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            copies = self._allocate_or_preempt(request, num_new, out)
-            if copies is None:
-                break
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            spec, request.spec_token_ids = request.spec_token_ids[:budget - 1], []
+            copies = None
+            if spec and num_new == 1:
+                copies = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, 1 + len(spec))
+            if copies is None:  # no proposals, or no blocks for them: an ordinary step
+                spec = []
+                copies = self._allocate_or_preempt(request, num_new, out)
+                if copies is None:
+                    break
+            out.scheduled.append(ScheduledRequest(request, num_new + len(spec), spec))
             out.block_copies.extend(copies)
-            budget -= num_new
+            budget -= num_new + len(spec)
             index += 1
         if out.preempted:
             return out
@@ -118,6 +144,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -128,9 +155,19 @@ class Scheduler:
         """Advance computed-token counts and register newly full blocks."""
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
+            request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
             self.kv.cache_computed_blocks(request.request_id, request.all_token_ids,
                                           request.num_computed_tokens, request.cache_salt)
+
+    def accept_spec(self, request: Request, num_accepted: int) -> None:
+        """After verification: `num_accepted` proposals (now appended to the request's tokens) keep their KV;
+        register blocks they filled and free blocks holding only rejected KV (never hashed)."""
+        if request.is_finished:
+            return
+        request.num_computed_tokens += num_accepted
+        self.kv.cache_computed_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                      request.cache_salt)
+        self.kv.truncate(request.request_id, request.num_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Add a parallel sample sharing the parent's blocks (after its first token)."""

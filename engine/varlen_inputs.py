@@ -52,7 +52,7 @@ class VarlenInputBuilder:
         num_tokens = sum(item.num_new_tokens for item in scheduled)
         tables = [kv.block_table(item.request.request_id) for item in scheduled]
         width = max(-(-(item.request.num_computed_tokens + item.num_new_tokens) // bs) for item in scheduled)
-        num_logits = sum(1 for item in scheduled if item.samples)
+        num_logits = sum(item.num_logits for item in scheduled)
         lengths = (num_tokens, num_tokens, num_tokens, num_logits, num_seqs + 1, num_seqs, num_seqs * width)
         # Each array starts 16-byte aligned: Triton specializes kernels on pointer alignment, and
         # unaligned views would compile new variants mid-run.
@@ -81,7 +81,7 @@ class VarlenInputBuilder:
                 pos[t] = start
                 slots[t] = table[start // bs] * bs + start % bs
             else:
-                ids[t:t + n] = req.all_token_ids[start:end]
+                ids[t:t + n] = item.input_token_ids()
                 p = np.arange(start, end, dtype=np.int32)
                 pos[t:t + n] = p
                 blocks = np.asarray(table[start // bs:used], dtype=np.int32)
@@ -90,9 +90,9 @@ class VarlenInputBuilder:
             cu_q[s + 1] = t
             seq_lens[s] = end
             max_query_len = max(max_query_len, n)
-            if item.samples:
-                logits[r] = t - 1
-                r += 1
+            if item.num_logits:
+                logits[r:r + item.num_logits] = np.arange(t - item.num_logits, t, dtype=np.int32)
+                r += item.num_logits
         dev = self._device[:total]
         dev.copy_(host[:total], non_blocking=True)
         ids_d, pos_d, slots_d, logits_d, cu_q_d, seq_lens_d, tables_d = (

@@ -22,11 +22,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV cache size (default: 2 on CPU; on CUDA what --gpu-memory-utilization leaves)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding (exact): ngram (prompt lookup) or draft (--speculative-model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="tokens proposed per sequence and step (K); a verifying step computes K + 1")
+    p.add_argument("--speculative-model", default=None,
+                   help="draft checkpoint directory (same tokenizer as --model) for --speculative-method draft")
+    p.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix looked up")
+    p.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix looked up (tried first)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
     """Map the engine flags onto EngineConfig (which validates them)."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, cuda_graphs=not args.enforce_eager,
@@ -35,7 +43,11 @@ def engine_config_from_args(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                           kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None
                           else int(args.kv_cache_memory_gib * 2**30),
-                          gpu_memory_utilization=args.gpu_memory_utilization))
+                          gpu_memory_utilization=args.gpu_memory_utilization),
+        speculative=SpeculativeConfig(method=args.speculative_method,
+                                      num_speculative_tokens=args.num_speculative_tokens,
+                                      model=args.speculative_model, ngram_min=args.ngram_min,
+                                      ngram_max=args.ngram_max))
 
 
 def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:

@@ -136,7 +136,9 @@ class EngineLoop(threading.Thread):
                  "prompt_tokens_total": self.prompt_tokens_total,
                  "generation_tokens_total": self.generation_tokens_total,
                  "prefix_cache_queries": self.engine.kv.num_prefix_queries,
-                 "prefix_cache_hits": self.engine.kv.num_prefix_hits}
+                 "prefix_cache_hits": self.engine.kv.num_prefix_hits,
+                 "spec_decode_num_draft_tokens": self.engine.num_spec_draft_tokens,
+                 "spec_decode_num_accepted_tokens": self.engine.num_spec_accepted_tokens}
         stats.update(self.extra_stats())
         self.stats = stats
 

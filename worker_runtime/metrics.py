@@ -34,6 +34,10 @@ COUNTERS = [
     ("kv_lease_expired", "leases_expired", "Prefill: KV leases that expired before a decode worker pulled them"),
     ("kv_recomputed", "num_kv_recomputed", "Decode: requests whose prompt was recomputed after a failed pull"),
     ("requests", "requests_total", "Requests accepted"),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+     "Speculative decoding: proposed tokens verified by the target"),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: proposed tokens the target accepted"),
 ]
 
 

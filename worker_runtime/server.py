@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from decode_worker.decode_loop import DecodeLoop
+from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVLayout, make_receiver, make_sender
 from kv_transfer.tls import KVTLSFiles
@@ -56,7 +57,10 @@ class WorkerServer:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         aio = asyncio.get_running_loop()
-        self.engine = await aio.run_in_executor(None, LLMEngine, config.engine)
+        engine_config = config.engine
+        if config.role == "prefill":  # it stops every request at its first token: nothing to speculate
+            engine_config = dataclasses.replace(engine_config, speculative=SpeculativeConfig())
+        self.engine = await aio.run_in_executor(None, LLMEngine, engine_config)
         kv_cache = self.engine.runner.kv_cache
         layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name)
         keys = config.auth.load()  # read here, in the worker's process: never carried in its arguments

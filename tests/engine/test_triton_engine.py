@@ -19,7 +19,7 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the triton wheel is part of the test install")
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -38,7 +38,8 @@ def generate(model_dir, backend, prompts, **overrides):
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device=DEVICE, attention_backend=backend,
                                     overlap_steps=overrides.pop("overlap_steps", None),
                                     scheduler=overrides.pop("scheduler", SchedulerConfig()),
-                                    cache=overrides.pop("cache", CacheConfig(kv_cache_memory_bytes=16 << 20))))
+                                    cache=overrides.pop("cache", CacheConfig(kv_cache_memory_bytes=16 << 20)),
+                                    speculative=overrides.pop("speculative", SpeculativeConfig())))
     outputs = engine.generate(prompts, GREEDY)
     assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
     return engine, [o.completions[0].token_ids for o in outputs], outputs
@@ -49,9 +50,12 @@ def expected(tiny_qwen2_dir, prompts):
     return generate(tiny_qwen2_dir, "torch", prompts)[1]
 
 
-@pytest.mark.parametrize("variant", ["plain", "chunked", "preempt", "overlap"])
+@pytest.mark.parametrize("variant", ["plain", "chunked", "preempt", "overlap", "speculative"])
 def test_triton_backend_equals_torch_backend(tiny_qwen2_dir, prompts, expected, variant):
     kwargs = {"plain": {},
+              # the model as its own draft: every proposal accepted, K + 1 rows of logits per sequence
+              "speculative": {"speculative": SpeculativeConfig(method="draft", model=str(tiny_qwen2_dir),
+                                                               num_speculative_tokens=3)},
               "chunked": {"scheduler": SchedulerConfig(max_num_batched_tokens=24)},
               "preempt": {"cache": CacheConfig(num_blocks=9, enable_prefix_caching=False)},
               "overlap": {"overlap_steps": True, "scheduler": SchedulerConfig(max_num_batched_tokens=24)}}[variant]
@@ -63,6 +67,8 @@ def test_triton_backend_equals_torch_backend(tiny_qwen2_dir, prompts, expected, 
         assert [o.completions[0].token_ids for o in again] == expected
     if variant == "preempt":
         assert engine.scheduler.num_preemptions > 0
+    if variant == "speculative":
+        assert engine.num_spec_accepted_tokens == engine.num_spec_draft_tokens > 0
     assert got == expected
 
 

@@ -16,7 +16,8 @@ class FakeLoop:
     stats = {"num_running": 3, "num_waiting": 2, "num_requests": 6, "kv_blocks_total": 200, "kv_blocks_used": 50,
              "num_pulls": 1, "prompt_tokens_total": 1000, "generation_tokens_total": 77,
              "prefix_cache_queries": 800, "prefix_cache_hits": 320, "num_preemptions": 4, "kv_bytes_moved": 12345,
-             "transfers_failed": 2, "num_kv_recomputed": 1, "requests_total": 9}
+             "transfers_failed": 2, "num_kv_recomputed": 1, "requests_total": 9,
+             "spec_decode_num_draft_tokens": 40, "spec_decode_num_accepted_tokens": 31}
     observe_transfer_s = None
 
 
@@ -42,6 +43,8 @@ def test_worker_metrics_read_the_stats_snapshot_with_vllm_names():
     assert sample(text, "pdserve:kv_transfer_failures_total") == 2
     assert sample(text, "pdserve:kv_recomputed_total") == 1
     assert sample(text, "pdserve:kv_transfers_in_flight") == 1
+    assert sample(text, "pdserve:spec_decode_num_draft_tokens_total") == 40
+    assert sample(text, "pdserve:spec_decode_num_accepted_tokens_total") == 31
     assert sample(text, "pdserve:kv_transfer_time_seconds_count") == 1
     assert 'role="decode",worker="10.0.0.1:5000"' in text
     loop.stats = {**loop.stats, "prefix_cache_hits": 400}  # read at scrape time, not copied at start
