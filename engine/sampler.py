@@ -3,6 +3,9 @@
 Random rows sample by the exponential race (argmax of p / E with E ~ Exp(1)),
 which is exact categorical sampling and lets each seeded request draw its
 noise from its own generator, so its tokens do not depend on the batch.
+Logits come in the model's dtype: greedy rows take the argmax as they are
+(widening bf16 to float32 is exact, so the argmax is the same), and only the
+rows that sample at random or report logprobs are widened to float32.
 """
 from __future__ import annotations
 
@@ -49,12 +52,13 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            token_ids[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])
+            token_ids[random_rows] = self._sample_random(logits[random_rows].float(),
+                                                         [rows[i] for i in random_rows])
         token_list = token_ids.tolist()
         results = [SampledToken(t) for t in token_list]
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
-            self._add_logprobs(logits[want], [rows[i] for i in want], [results[i] for i in want])
+            self._add_logprobs(logits[want].float(), [rows[i] for i in want], [results[i] for i in want])
         return results
 
     @staticmethod
