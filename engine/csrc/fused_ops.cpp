@@ -174,9 +174,11 @@ void silu_and_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t n) {
 #if defined(PDSERVE_AVX2)
       for (; i + 8 <= n; i += 8) store8(o + i, _mm256_mul_ps(through8<T>(silu8(load8(g + i))), load8(u + i)));
 #endif
-      for (; i < n; ++i) {
+      for (; i < n; ++i) {  // as silu8: exp(-|g|) never overflows (-ffast-math assumes no infinities)
         const float gv = to_f32(g[i]);
-        o[i] = from_f32<T>(through<T>(gv / (1.f + std::exp(-gv))) * to_f32(u[i]));
+        const float e = std::exp(-std::fabs(gv));
+        const float silu = gv >= 0.f ? gv / (1.f + e) : gv * e / (e + 1.f);
+        o[i] = from_f32<T>(through<T>(silu) * to_f32(u[i]));
       }
     }
   });

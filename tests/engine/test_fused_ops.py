@@ -115,3 +115,29 @@ def test_fused_ops_are_cpu_only(monkeypatch):
     assert load_fused_ops(torch.device("cpu"), torch.bfloat16) is not None
     monkeypatch.setenv("PDSERVE_FUSED", "0")
     assert load_fused_ops(torch.device("cpu"), torch.bfloat16) is None
+
+
+PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling in the park.",
+           "List the planets of the solar system in order from the sun.", "Hello"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_greedy_outputs_equal_with_and_without_fusion(smollm2_dir, dtype, monkeypatch):
+    """Prefill (one chunk and a chunked one), decode and a mixed step, fused and unfused: the same tokens."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PDSERVE_FUSED", fused)
+        engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype=dtype,
+                                        scheduler=SchedulerConfig(max_num_batched_tokens=48),
+                                        cache=CacheConfig(kv_cache_memory_bytes=64 << 20)))
+        assert (engine.runner.model.fused is not None) == (fused == "1")
+        outputs[fused] = [o.completions[0].token_ids for o in engine.generate(prompts, params)]
+    assert outputs["1"] == outputs["0"]
