@@ -50,6 +50,36 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
+def measure(t, dtype, ops, rotary, k_cache, v_cache, w1, w2, compiled) -> tuple[str, float]:
+    """One step size: the result line, and the compiled function's first-call time (0 without)."""
+    torch.manual_seed(t)
+    x, o, d = (torch.randn(t, HIDDEN).to(dtype) for _ in range(3))
+    gate_up = torch.randn(t, 2 * INTER).to(dtype)
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D).to(dtype)
+    positions = torch.randint(0, 8192, (t,))
+    cos, sin = rotary.lookup(positions)
+    slots = torch.randperm(k_cache.shape[0] * BS)[:t]
+    blocks, offsets = slots // BS, slots % BS
+    reps = max(3, 2000 // t)
+    inputs = (x, o, d, gate_up, qkv, cos, sin, w1, w2, k_cache, v_cache, blocks, offsets)
+
+    def run_fused():
+        r, xx, dd = x.clone(), o.clone(), d.clone()  # the eager path allocates its outputs too
+        ops.rope_(qkv, positions, rotary.cos, rotary.sin, HQ, HKV, k_cache, v_cache, blocks, offsets)
+        ops.add_rms_norm_(xx, r, w1, EPS)
+        ops.silu_and_mul(gate_up)
+        ops.add_rms_norm_(dd, r, w2, EPS)
+
+    line = (f"{str(dtype)[6:]:<9} T={t:<5} eager {timed(lambda: eager(*inputs), reps):8.3f} ms  "
+            f"fused {timed(run_fused, reps):8.3f} ms")
+    if compiled is None:
+        return line, 0.0
+    start = time.perf_counter()
+    compiled(*inputs)
+    first = time.perf_counter() - start
+    return line + f"  compiled {timed(lambda: compiled(*inputs), reps):8.3f} ms (first call {first:.1f} s)", first
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 512, 2048])
@@ -67,35 +97,8 @@ def main() -> int:
         compiled = None if args.no_compile else torch.compile(eager, dynamic=True)
         compile_s = 0.0
         for t in args.tokens:
-            torch.manual_seed(t)
-            x, o, d = (torch.randn(t, HIDDEN).to(dtype) for _ in range(3))
-            gate_up = torch.randn(t, 2 * INTER).to(dtype)
-            qkv = torch.randn(t, (HQ + 2 * HKV) * D).to(dtype)
-            positions = torch.randint(0, 8192, (t,))
-            cos, sin = rotary.lookup(positions)
-            slots = torch.randperm(512 * BS)[:t]
-            blocks, offsets = slots // BS, slots % BS
-            reps = max(3, 2000 // t)
-
-            def run_eager():
-                eager(x, o, d, gate_up, qkv, cos, sin, w1, w2, k_cache, v_cache, blocks, offsets)
-
-            def run_fused():
-                r, xx, dd = x.clone(), o.clone(), d.clone()  # the eager path allocates its outputs too
-                ops.rope_(qkv, positions, rotary.cos, rotary.sin, HQ, HKV, k_cache, v_cache, blocks, offsets)
-                ops.add_rms_norm_(xx, r, w1, EPS)
-                ops.silu_and_mul(gate_up)
-                ops.add_rms_norm_(dd, r, w2, EPS)
-
-            line = f"{str(dtype)[6:]:<9} T={t:<5} eager {timed(run_eager, reps):8.3f} ms  fused {timed(run_fused, reps):8.3f} ms"
-            if compiled is not None:
-                start = time.perf_counter()
-                compiled(x, o, d, gate_up, qkv, cos, sin, w1, w2, k_cache, v_cache, blocks, offsets)
-                first = time.perf_counter() - start
-                compile_s += first
-                ms = timed(lambda: compiled(x, o, d, gate_up, qkv, cos, sin, w1, w2, k_cache, v_cache,  # noqa: B023
-                                            blocks, offsets), reps)
-                line += f"  compiled {ms:8.3f} ms (first call {first:.1f} s)"
+            line, first = measure(t, dtype, ops, rotary, k_cache, v_cache, w1, w2, compiled)
+            compile_s += first
             print(line, flush=True)
         if compiled is not None:
             from torch._dynamo.utils import counters
