@@ -12,6 +12,13 @@ It also reports KV memory utilisation (tokens stored / KV slots allocated) for
 pdserve's paged cache against contiguous per-request allocation.
 
   .venv/bin/python bench/offline_throughput.py --dtype bfloat16
+
+--variants runs pdserve several times under different engine switches, A/B
+interleaved over --rounds (same process, same workload), e.g. the fused CPU
+elementwise kernels against the unfused torch ops (issue 22):
+
+  .venv/bin/python bench/offline_throughput.py --skip hf-naive hf-static \
+      --variants fused unfused baseline --rounds 2
 """
 from __future__ import annotations
 
@@ -54,6 +61,40 @@ def make_workload(tokenizer: Tokenizer, n: int, seed: int, prompt_range, output_
         header = tokenizer.encode(f"Request {len(work)}: ")  # no two prompts share a first block
         work.append(((header + corpus[start:start + plen])[:plen], rng.randint(*output_range)))
     return work
+
+
+VARIANTS = {  # name -> environment the engine is built under
+    "default": {},
+    "fused": {"PDSERVE_FUSED": "1", "PDSERVE_BF16_UPCAST": "1"},
+    "unfused": {"PDSERVE_FUSED": "0", "PDSERVE_BF16_UPCAST": "1"},  # torch elementwise ops
+    "baseline": {"PDSERVE_FUSED": "0", "PDSERVE_BF16_UPCAST": "0"},  # and bf16 GEMMs as before #22
+}
+
+
+def run_variants(model_dir, dtype, work, args) -> dict:
+    """pdserve under each of --variants, interleaved over --rounds; one result per variant (its rounds listed)."""
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for r in range(args.rounds):
+        for variant in args.variants:
+            saved = {k: os.environ.get(k) for k in VARIANTS[variant]}
+            os.environ.update(VARIANTS[variant])
+            try:
+                result = run_pdserve(model_dir, dtype, work, args)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            print(f"round {r + 1} {variant:<9} {result['elapsed_s']:7.1f} s "
+                  f"{result['output_tokens'] / result['elapsed_s']:8.1f} out tok/s", flush=True)
+            runs[variant].append(result)
+    out = {}
+    for variant, results in runs.items():
+        name = "pdserve" if variant == "default" else f"pd-{variant}"
+        best = min(results, key=lambda x: x["elapsed_s"])
+        out[name] = best | {"rounds_elapsed_s": [x["elapsed_s"] for x in results]}
+    return out
 
 
 def run_pdserve(model_dir, dtype, work, args):
@@ -145,6 +186,10 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-gib", type=float, default=2.0)
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf-naive", "hf-static"])
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                    help="pdserve runs under these switches (fused: C++ elementwise kernels; unfused: "
+                         "PDSERVE_FUSED=0; baseline: also PDSERVE_BF16_UPCAST=0)")
+    ap.add_argument("--rounds", type=int, default=1, help="A/B rounds over --variants (the best is reported)")
     ap.add_argument("--output", default=str(Path(__file__).parent / "results" / "offline_throughput.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -152,7 +197,7 @@ def main() -> int:
     model_dir = resolve_model_path(args.model)
     work = make_workload(Tokenizer(model_dir), args.num_requests, args.seed, args.prompt_len, args.output_len)
     prompt_tokens = sum(len(p) for p, _ in work)
-    results = {"pdserve": run_pdserve(model_dir, args.dtype, work, args)}
+    results = run_variants(model_dir, args.dtype, work, args)
     if len(set(args.skip)) < 2:
         model = load_hf(model_dir, args.dtype)
         if "hf-static" not in args.skip:
@@ -166,14 +211,15 @@ def main() -> int:
     base = results.get("hf-naive", {}).get("output_tok_s")
     print(f"\nworkload: {len(work)} requests, {prompt_tokens} prompt tokens, "
           f"{sum(o for _, o in work)} output tokens, dtype {args.dtype}, torch threads {torch.get_num_threads()}")
-    print(f"{'system':<10} {'time s':>8} {'out tok/s':>10} {'total tok/s':>12} {'vs naive':>9}")
+    print(f"{'system':<12} {'time s':>8} {'out tok/s':>10} {'total tok/s':>12} {'vs naive':>9}")
     for name, r in results.items():
         ratio = f"{r['output_tok_s'] / base:.1f}x" if base else "-"
-        print(f"{name:<10} {r['elapsed_s']:>8.1f} {r['output_tok_s']:>10.1f} {r['total_tok_s']:>12.1f} {ratio:>9}")
-    kv = results["pdserve"]["kv_utilisation"]
+        print(f"{name:<12} {r['elapsed_s']:>8.1f} {r['output_tok_s']:>10.1f} {r['total_tok_s']:>12.1f} {ratio:>9}")
+    first = next(iter(results))
+    kv = results[first]["kv_utilisation"]
     print("\nKV memory utilisation (tokens stored / KV slots allocated, averaged over steps):")
     print(f"  pdserve paged blocks                         {kv['paged']:.1%}")
-    print(f"  contiguous, max_model_len ({results['pdserve']['max_model_len']}) per request  "
+    print(f"  contiguous, max_model_len ({results[first]['max_model_len']}) per request  "
           f"{kv['contiguous_max_model_len']:.1%}")
     print(f"  contiguous, prompt + max_tokens per request  {kv['contiguous_prompt_plus_max_tokens']:.1%}")
     out = {"config": vars(args) | {"prompt_tokens": prompt_tokens, "torch_threads": torch.get_num_threads()},

@@ -3,6 +3,9 @@
 Random rows sample by the exponential race (argmax of p / E with E ~ Exp(1)),
 which is exact categorical sampling and lets each seeded request draw its
 noise from its own generator, so its tokens do not depend on the batch.
+Logits come in the model's dtype: greedy rows take the argmax as they are
+(widening bf16 to float32 is exact, so the argmax is the same), and only the
+rows that sample at random or report logprobs are widened to float32.
 """
 from __future__ import annotations
 
@@ -61,12 +64,13 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            token_ids[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])
+            token_ids[random_rows] = self._sample_random(logits[random_rows].float(),
+                                                         [rows[i] for i in random_rows])
         token_list = token_ids.tolist()
         results = [SampledToken(t) for t in token_list]
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
-            self._add_logprobs(logits[want], [rows[i] for i in want], [results[i] for i in want])
+            self._add_logprobs(logits[want].float(), [rows[i] for i in want], [results[i] for i in want])
         return results
 
     def verify(self, logits: torch.Tensor, rows: list[SpecRow]) -> list[list[int]]:
@@ -79,7 +83,7 @@ class Sampler:
             if row.params.greedy:
                 results.append(greedy_verify(target.argmax(dim=-1).tolist(), row.draft_token_ids))
                 continue
-            target = target / row.params.temperature
+            target = target.float() / row.params.temperature  # logits come in the model's dtype
             if row.params.top_k or row.params.top_p < 1.0:
                 target = _apply_top_k_top_p(target, [row.params.top_k] * (k + 1), [row.params.top_p] * (k + 1))
             generator = row.generator if row.generator is not None else self.generator

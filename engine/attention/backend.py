@@ -39,7 +39,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor | None = None
     """[T] offset inside that block."""
     decode_token_indices: torch.Tensor | None = None
-    """[B] packed token index of each single-token sequence."""
+    """[B] packed token index of each single-token sequence (0..B-1 in a step without prefills)."""
     decode_block_tables: torch.Tensor | None = None
     """[B, max_blocks] block tables (padded with 0)."""
     decode_seq_lens: torch.Tensor | None = None
@@ -55,6 +55,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     """[S, W] int32 block tables (entries past a sequence's length are never read)."""
     max_query_len: int = 0
+    kv_written: bool = False
+    """Set by the model when its fused RoPE already wrote the step's K/V into the cache slots
+    (only for backends with `accepts_written_kv`): the backend then skips its own write."""
     # Filled by backends that need more (e.g. cumulative lengths for flash-attn).
     extra: dict = field(default_factory=dict)
 
@@ -64,6 +67,8 @@ class AttentionBackend(ABC):
 
     varlen: bool = False
     """True when the backend reads the varlen form of the metadata."""
+    accepts_written_kv: bool = False
+    """True when the backend honours `AttentionMetadata.kv_written` (reads slots as slot_blocks/slot_offsets)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads

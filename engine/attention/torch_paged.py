@@ -18,15 +18,23 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class TorchPagedAttention(AttentionBackend):
+    accepts_written_kv = True
+
     def __init__(self, *args, use_cpu_kernel: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kernel = cpu_kernels.load() if use_cpu_kernel else None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        if not meta.kv_written:
+            k_cache[meta.slot_blocks, meta.slot_offsets] = k
+            v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        idx = meta.decode_token_indices
+        if not meta.prefills and idx is not None and self.kernel is not None and q.device.type == "cpu":
+            # A decode-only step: its tokens are the decode tokens, in order; no gather or scatter.
+            return self.kernel.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                                      meta.decode_seq_lens, self.scale)
         out = torch.empty_like(q)
-        if meta.decode_token_indices is not None:
+        if idx is not None:
             self._decode(q, k_cache, v_cache, meta, out)
         for span in meta.prefills:
             self._prefill(q, k, v, k_cache, v_cache, span, out)

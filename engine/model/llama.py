@@ -4,6 +4,9 @@ q/k/v are merged into one projection and gate/up into another, so a layer is
 four matrix multiplies (`Linear`, prepacked for oneDNN in bf16 on CPU) over all
 packed tokens of a step. Numerics follow Hugging Face's implementation (RMSNorm in float32,
 rotate-half RoPE), so greedy outputs match transformers token for token.
+On CPU the elementwise half of each layer runs fused (`engine/model/fused.py`):
+residual add + RMSNorm, SiLU*up, and RoPE in place (writing K/V into the cache
+too when the attention backend lets it), with the same rounding points.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model.fused import FusedOps, load_fused_ops
 from engine.model.linear import Linear
 from engine.model.model_config import ModelConfig
 from engine.model.rotary import RotaryEmbedding
@@ -50,6 +54,8 @@ class LlamaModel:
                                       config.rope_scaling, embed.dtype, embed.device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        self.fused: FusedOps | None = load_fused_ops(embed.device, embed.dtype)
+        """The fused CPU kernels, or None (CUDA, other dtypes, PDSERVE_FUSED=0): the unfused torch ops."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -57,10 +63,13 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Run packed tokens through the model; return float32 logits of `logits_indices`.
+        """Run packed tokens through the model; return the logits of `logits_indices` in the model's
+        dtype (the sampler widens to float32 only the rows that need it).
 
         kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
         """
+        if self.fused is not None and input_ids.device.type == "cpu":
+            return self._forward_fused(self.fused, input_ids, positions, kv_cache, meta, logits_indices)
         cfg = self.config
         x = F.embedding(input_ids, self.embed)
         num_tokens = input_ids.shape[0]
@@ -78,4 +87,39 @@ class LlamaModel:
             gate, up = w.gate_up(h).chunk(2, dim=-1)
             x = x + w.down(F.silu(gate) * up)
         h = rms_norm(x[logits_indices], self.final_norm, cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+        return self.lm_head(h)
+
+    def _forward_fused(self, ops: FusedOps, input_ids: torch.Tensor, positions: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """`forward` with the fused CPU kernels: the same ops, rounded at the same points."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        if positions.dtype != torch.long:
+            positions = positions.long()
+        # The backend lets RoPE write K/V into the cache (no index_put per layer) when it reads slots that way.
+        write_kv = self.attention.accepts_written_kv and meta.slot_blocks is not None
+        meta.kv_written = write_kv
+        residual = F.embedding(input_ids, self.embed)
+        h = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        for i, w in enumerate(self.layers):
+            qkv = w.qkv(h)
+            k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
+            if write_kv:
+                ops.rope_(qkv, positions, self.rotary.cos, self.rotary.sin, cfg.num_heads, cfg.num_kv_heads,
+                          k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+            else:
+                ops.rope_(qkv, positions, self.rotary.cos, self.rotary.sin, cfg.num_heads, cfg.num_kv_heads)
+            q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
+            h = ops.add_rms_norm_(w.o_proj(attn.reshape(num_tokens, self.q_size)), residual, w.post_norm, eps)
+            down = w.down(ops.silu_and_mul(w.gate_up(h)))
+            if i + 1 < len(self.layers):
+                h = ops.add_rms_norm_(down, residual, self.layers[i + 1].input_norm, eps)
+            else:
+                residual += down
+        h = ops.rms_norm(residual[logits_indices], self.final_norm, eps)
+        return self.lm_head(h)

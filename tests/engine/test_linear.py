@@ -1,5 +1,6 @@
-"""Linear: bf16 weights are packed for oneDNN exactly where this CPU lets oneDNN run bf16, and
-whichever path runs computes what F.linear computes, at every batch size."""
+"""Linear: bf16 weights are packed for oneDNN exactly where this CPU lets oneDNN run bf16, multiply in
+float32 where it does not (AVX2-only CPUs), and whichever path runs computes what F.linear computes,
+at every batch size."""
 from __future__ import annotations
 
 import os
@@ -48,9 +49,26 @@ def test_bf16_linear_is_packed_where_onednn_runs_bf16_and_matches_f_linear(with_
         assert linear.packed is not None, "this CPU runs oneDNN bf16, so bf16 weights are packed"
         assert linear.weight is None  # the packed copy replaces the plain one
     else:
-        assert linear.packed is None, "this CPU cannot run oneDNN bf16, so the plain path is used"
-        assert linear.weight is weight
+        assert linear.packed is None, "this CPU cannot run oneDNN bf16, so the float32 path is used"
+        assert linear.upcast and torch.equal(linear.weight, weight.float())
     assert_matches_f_linear(linear, weight, bias)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_multiplies_in_float32_where_onednn_has_no_bf16_gemm(with_bias, monkeypatch):
+    """Upcast: the exact float32 copy of the weight, x widened, the product rounded to bf16 once."""
+    monkeypatch.delenv("PDSERVE_BF16_UPCAST", raising=False)
+    monkeypatch.setattr("engine.model.linear.bf16_gemm_supported", lambda: False)
+    weight, bias = bf16_case(with_bias)
+    linear = Linear(weight, bias)
+    assert linear.upcast and linear.packed is None and linear.weight.dtype == torch.float32
+    for rows in ROWS:
+        x = torch.randn(rows, 192).to(torch.bfloat16)
+        want = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
+        assert torch.equal(linear(x), want)
+    assert_matches_f_linear(linear, weight, bias)
+    monkeypatch.setenv("PDSERVE_BF16_UPCAST", "0")
+    assert not Linear(weight, bias).upcast
 
 
 def _reorder_refused(weight):
@@ -67,6 +85,7 @@ def _wrong_result(x, packed, bias, *args):
 def test_plain_path_when_packing_fails_gives_f_linear(failure, with_bias, monkeypatch):
     """Every way packing can be unavailable falls back to F.linear itself, on any CPU."""
     monkeypatch.delenv("PDSERVE_PACKED_LINEAR", raising=False)
+    monkeypatch.setenv("PDSERVE_BF16_UPCAST", "0")
     if failure == "no_mkldnn":
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     elif failure == "reorder_refused":
@@ -97,7 +116,7 @@ def test_cpu_without_onednn_bf16_uses_the_plain_path():
         assert torch.equal(linear(x), F.linear(x, weight, bias))
         print("plain path ok")
     """
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PDSERVE_BF16_UPCAST": "0"}
     env.pop("PDSERVE_PACKED_LINEAR", None)
     done = subprocess.run([sys.executable, "-c", script], check=False, env=env, cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=120)
@@ -114,6 +133,7 @@ def test_float32_keeps_f_linear_exactly():
 
 def test_packing_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
+    monkeypatch.setenv("PDSERVE_BF16_UPCAST", "0")
     weight = torch.randn(64, 32).to(torch.bfloat16)
     linear = Linear(weight)
     assert linear.packed is None and linear.weight is weight
