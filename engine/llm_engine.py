@@ -26,6 +26,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.input_checks import check_params, check_prompt, check_resume
 from engine.kv_cache_manager import KVCacheManager
 from engine.model.model_config import ModelConfig
 from engine.model_files import resolve_model_path
@@ -36,6 +37,7 @@ from engine.sampler import SampledToken, Sampler, SampleRow, SpecRow
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import Proposer
+from engine.spec_decode.scheduling import make_proposer, propose
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -90,21 +92,12 @@ class LLMEngine:
         """Launch step N+1 before reporting step N (see `step`)."""
         self._inflight: tuple | None = None
         """(logits, sample rows, owners, spec rows, spec owners) of the launched step not yet collected."""
-        self.proposer: Proposer | None = self._make_proposer()
+        self.proposer: Proposer | None = make_proposer(self.config, self.model_config, self.max_model_len,
+                                                         self.runner.num_blocks)
         self.num_spec_draft_tokens = 0
         """Speculative decoding: tokens proposed and verified so far."""
         self.num_spec_accepted_tokens = 0
         """Speculative decoding: proposed tokens the target accepted."""
-
-    def _make_proposer(self) -> Proposer | None:
-        spec = self.config.speculative
-        if spec.method == "ngram":
-            from engine.spec_decode.ngram import NgramProposer
-            return NgramProposer(spec.ngram_min, spec.ngram_max)
-        if spec.method == "draft":
-            from engine.spec_decode.draft import DraftProposer
-            return DraftProposer(self.config, self.model_config, self.max_model_len, self.runner.num_blocks)
-        return None
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -218,36 +211,13 @@ class LLMEngine:
         return self.kv.pool.num_blocks
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise InvalidParameter("input", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidParameter("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidParameter("input", f"the prompt has {len(prompt_token_ids)} tokens; "
-                                            f"the context holds {self.max_model_len} (prompt plus at least one new)")
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
 
     def validate_params(self, params: SamplingParams, first_token_id: int | None = None) -> None:
-        """Token ids a caller gives besides the prompt must index the vocabulary (else IndexError
-        on CPU, a device-side assert that kills the process on CUDA)."""
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidParameter("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if first_token_id is not None and (not isinstance(first_token_id, int) or not 0 <= first_token_id < vocab):
-            raise InvalidParameter("first_token_id",
-                                   f"token id {first_token_id} is outside the vocabulary [0, {vocab})")
+        check_params(params, first_token_id, self.model_config.vocab_size)
 
     def validate_resume(self, prompt_token_ids: list[int], resume_token_ids: list[int]) -> None:
-        """Tokens a migrated request already generated: in the vocabulary, and prompt + them within the context."""
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in resume_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidParameter("resume_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) + len(resume_token_ids) > self.max_model_len:
-            raise InvalidParameter("resume_token_ids", f"prompt plus resumed tokens exceed the context "
-                                                       f"({self.max_model_len} tokens)")
+        check_resume(prompt_token_ids, resume_token_ids, self.model_config.vocab_size, self.max_model_len)
 
     def abort_request(self, request_id: str) -> bool:
         """End every sample of a request now, freeing its blocks (also blocks `reserve_kv` holds for it)."""
@@ -290,7 +260,8 @@ class LLMEngine:
     def _launch(self) -> None:
         """Schedule a step and start the model on it (on CUDA this returns before the GPU is done)."""
         if self.proposer is not None:
-            self._propose()
+            propose(self.proposer, self.scheduler.running, self.config.speculative.num_speculative_tokens,
+                    self.max_model_len)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return
@@ -317,27 +288,6 @@ class LLMEngine:
                 owners.append(sample)
             row += 1
         self._inflight = (logits, rows, owners, spec_rows, spec_owners)
-
-    def _propose(self) -> None:
-        """Ask the proposer for the next tokens of every decoding request that can use them."""
-        k_max = self.config.speculative.num_speculative_tokens
-        requests, limits = [], []
-        for request in self.scheduler.running:
-            request.spec_token_ids = []
-            params = request.params
-            if (request.num_tokens - request.num_computed_tokens != 1 or request.pending_forks
-                    or request.prefill_only or params.logprobs is not None
-                    or request.num_output_tokens < params.min_tokens):
-                continue
-            # K + 1 tokens may be emitted: stay within max_tokens and the context
-            k = min(k_max, params.max_tokens - request.num_output_tokens - 1,
-                    self.max_model_len - request.num_tokens - 1)
-            if k >= 1:
-                requests.append(request)
-                limits.append(k)
-        if requests:
-            for request, proposal in zip(requests, self.proposer.propose(requests, limits), strict=True):
-                request.spec_token_ids = proposal
 
     def _collect(self) -> list[_Sample]:
         """Sample the launched step (waiting for the model) and accept each token; the samples that took one."""
