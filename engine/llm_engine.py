@@ -11,16 +11,12 @@ stops a request after its first token and keeps its blocks (the delta carries
 their ids) until `release_kv`. Decode: `reserve_kv` allocates blocks for KV
 computed elsewhere, then `add_request(first_token_id=...)` continues from there.
 
-Speculative decoding (config.speculative): before each step the proposer guesses
-up to K next tokens for every decoding request; the step computes them with the
-request's last token, and the sampler verifies them against the K + 1 rows of
-logits (engine/spec_decode/). Accepted tokens go through the same stop rules one
-by one; the KV of rejected ones is dropped (scheduler.accept_spec).
+Speculative decoding (engine/spec_decode/): a step also computes each decoding request's
+proposed tokens; accepted ones pass the same stop rules one by one, rejected KV is dropped.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +29,7 @@ from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionCollector, RequestOutput, SampleDelta
 from engine.request import FinishReason, Request
+from engine.sample_state import SampleState, stop_reason
 from engine.sampler import SampledToken, Sampler, SampleRow, SpecRow
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
@@ -41,21 +38,6 @@ from engine.spec_decode.scheduling import make_proposer, propose
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sample:
-    """Engine-side state of one sample that the scheduler does not need."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict] = field(default_factory=list)
-    undetokenized: list[int] = field(default_factory=list)
-    """Accepted tokens whose text is not made yet (samples without stop strings)."""
-    flush_text: bool = False
-    """Ended for a reason other than a stop string: release held-back text with the last delta."""
 
 
 class LLMEngine:
@@ -78,14 +60,14 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._samples: dict[str, _Sample] = {}
+        self._samples: dict[str, SampleState] = {}
         self._groups: dict[str, list[str]] = {}
         self._group_params: dict[str, SamplingParams] = {}
         self._reserved: dict[str, int] = {}
         """Decode role: request id -> locally cached prompt tokens, between reserve_kv and add_request."""
         self._handed_off: set[str] = set()
         """Prefill role: requests stopped after their first token whose blocks are kept for a transfer."""
-        self._ended_between_steps: list[_Sample] = []
+        self._ended_between_steps: list[SampleState] = []
         """Samples aborted (or finished on arrival) since the last step; reported by the next step."""
         self.num_steps = 0
         self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
@@ -151,7 +133,7 @@ class LLMEngine:
             if sample.generator is not None and not params.greedy:
                 self.sampler.skip_draw(sample.generator, self.model_config.vocab_size)  # drawn there
             stop_string = sample.detokenizer.add_token(token_id)
-            reason = self._stop_reason(request, token_id, stop_string)
+            reason = stop_reason(request, token_id, stop_string, self.eos_token_ids, self.max_model_len)
             if reason is not None:  # it already ended the request: report at the next step
                 self.scheduler.finish(request, reason)
                 self._ended_between_steps.append(sample)
@@ -251,11 +233,11 @@ class LLMEngine:
         else:
             self._launch()
             owners = self._collect()
-        return [self._finish_text(s) for s in owners] + self._drain_ended()
+        return [self._delta(s.make_text()) for s in owners] + self._drain_ended()
 
     def finish_launched_step(self) -> list[SampleDelta]:
         """Collect and report the launched step (overlap mode) without launching another."""
-        return [self._finish_text(s) for s in self._collect()] + self._drain_ended()
+        return [self._delta(s.make_text()) for s in self._collect()] + self._drain_ended()
 
     def _launch(self) -> None:
         """Schedule a step and start the model on it (on CUDA this returns before the GPU is done)."""
@@ -289,7 +271,7 @@ class LLMEngine:
             row += 1
         self._inflight = (logits, rows, owners, spec_rows, spec_owners)
 
-    def _collect(self) -> list[_Sample]:
+    def _collect(self) -> list[SampleState]:
         """Sample the launched step (waiting for the model) and accept each token; the samples that took one."""
         if self._inflight is None:
             return []
@@ -324,16 +306,16 @@ class LLMEngine:
             torch.cuda.synchronize(self.runner.device)
 
     # ---- helpers -------------------------------------------------------
-    def _track(self, request: Request, seed: int | None) -> _Sample:
+    def _track(self, request: Request, seed: int | None) -> SampleState:
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        sample = _Sample(request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+        sample = SampleState(request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                          request.params.stop), generator)
         self._samples[request.request_id] = sample
         return sample
 
-    def _fork(self, parent: Request, index: int) -> _Sample:
+    def _fork(self, parent: Request, index: int) -> SampleState:
         """Split off parallel sample `index` sharing the parent's computed blocks."""
         params = self._group_params[parent.group_id].for_sample(index)
         child = Request(f"{parent.group_id}#{index}", list(parent.prompt_token_ids), params,
@@ -348,8 +330,8 @@ class LLMEngine:
             return []
         return sorted(self.eos_token_ids | set(request.params.stop_token_ids))
 
-    def _accept(self, sample: _Sample, token) -> None:
-        """Take a sampled token and apply every stop rule. Text is made later (`_finish_text`),
+    def _accept(self, sample: SampleState, token) -> None:
+        """Take a sampled token and apply every stop rule. Text is made later (`SampleState.make_text`),
         except for samples with stop strings, whose stop rule needs it now."""
         request = sample.request
         request.append_token(token.token_id)
@@ -363,7 +345,8 @@ class LLMEngine:
             stop_string = sample.detokenizer.add_token(token.token_id)
         else:
             sample.undetokenized.append(token.token_id)
-        reason = self._stop_reason(request, token.token_id, stop_string)
+        reason = stop_reason(request, token.token_id, stop_string, self.eos_token_ids,
+                             self.max_model_len)
         if reason is not None:
             sample.flush_text = reason != FinishReason.STOP_STRING
             self.scheduler.finish(request, reason)
@@ -371,28 +354,7 @@ class LLMEngine:
             self.scheduler.finish(request, None, keep_blocks=True)
             self._handed_off.add(request.request_id)
 
-    def _finish_text(self, sample: _Sample) -> SampleDelta:
-        """Detokenize the sample's new tokens and report them."""
-        for token_id in sample.undetokenized:
-            sample.detokenizer.add_token(token_id)
-        sample.undetokenized.clear()
-        if sample.flush_text:
-            sample.detokenizer.flush()
-            sample.flush_text = False
-        return self._delta(sample)
-
-    def _stop_reason(self, request: Request, token_id: int, stop_string: str | None) -> FinishReason | None:
-        params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-                return FinishReason.STOP
-            if stop_string is not None:
-                return FinishReason.STOP_STRING
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _delta(self, sample: _Sample) -> SampleDelta:
+    def _delta(self, sample: SampleState) -> SampleDelta:
         request = sample.request
         ended = request.finish_reason is not None
         handed_off = request.request_id in self._handed_off
