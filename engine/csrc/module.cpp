@@ -1,15 +1,16 @@
 // The Python module of pdserve's CPU kernels (one extension, built on first use).
-#include <torch/extension.h>
+// pybind11 with torch's tensor casters, without the rest of torch/extension.h (a third of its compile time).
+#include <torch/csrc/utils/pybind.h>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                    int64_t num_q_heads, int64_t num_kv_heads, c10::optional<torch::Tensor> k_cache,
-                    c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slot_blocks,
-                    c10::optional<torch::Tensor> slot_offsets);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+void rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                    int64_t num_q_heads, int64_t num_kv_heads, c10::optional<at::Tensor> k_cache,
+                    c10::optional<at::Tensor> v_cache, c10::optional<at::Tensor> slot_blocks,
+                    c10::optional<at::Tensor> slot_offsets);
 
 // Whether this build has the AVX-512 paths (it does when the compiler targets AVX-512).
 #if defined(__AVX512F__)
