@@ -22,7 +22,7 @@ from tests.cluster.harness import assert_no_leaks, metric_value
 pytestmark = pytest.mark.usefixtures("workers_restored")
 
 NUM_REQUESTS = 1000
-CONCURRENCY = 16
+CONCURRENCY = 32
 ACTIONS = ("complete", "cancel", "deadline", "disconnect", "abort")
 WEIGHTS = (35, 20, 20, 15, 10)
 LONG = 256  # tokens asked of requests the client ends early: only an abort frees them in time
@@ -67,26 +67,32 @@ async def grpc_request(stub, rng: random.Random, action: str) -> str:
 
 
 async def http_request(http: httpx.AsyncClient, url: str, rng: random.Random, action: str) -> str:
+    """One HTTP request; a deadline is the whole request's (httpx's own timeout is per read, which a
+    stream sending a token every few hundred milliseconds never trips)."""
+    deadline = rng.uniform(0.05, 1.0) if action in ("deadline", "abort") else 120
+    try:
+        return await asyncio.wait_for(http_exchange(http, url, rng, action), deadline)
+    except (TimeoutError, httpx.TimeoutException):
+        return "client-timeout"
+
+
+async def http_exchange(http: httpx.AsyncClient, url: str, rng: random.Random, action: str) -> str:
     max_tokens = rng.randrange(1, 7) if action == "complete" else LONG
     body = {"model": "default", "prompt": prompt(rng), "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": rng.choice([0.0, 0.8]), "stream": action != "complete" or rng.random() < 0.5}
-    timeout = rng.uniform(0.05, 1.0) if action in ("deadline", "abort") else 120
-    try:
-        async with http.stream("POST", url, json=body, timeout=timeout) as response:
-            if response.status_code != 200:
-                body_text = (await response.aread()).decode(errors="replace")
-                return str(response.status_code) + ("" if response.status_code < 500 else f" {body_text[:300]}")
-            if not body["stream"]:
-                data = json.loads(await response.aread())
-                return "200" if data["usage"]["completion_tokens"] == max_tokens else f"200 with {data['usage']}"
-            events = 0
-            async for line in response.aiter_lines():
-                events += line.startswith("data: {")
-                if action in ("disconnect", "cancel") and events >= rng.randrange(1, 4):
-                    return "client-disconnect"  # leaving the block closes the connection
-            return "200"
-    except httpx.TimeoutException:
-        return "client-timeout"
+    async with http.stream("POST", url, json=body, timeout=120) as response:
+        if response.status_code != 200:
+            body_text = (await response.aread()).decode(errors="replace")
+            return str(response.status_code) + ("" if response.status_code < 500 else f" {body_text[:300]}")
+        if not body["stream"]:
+            data = json.loads(await response.aread())
+            return "200" if data["usage"]["completion_tokens"] == max_tokens else f"200 with {data['usage']}"
+        events = 0
+        async for line in response.aiter_lines():
+            events += line.startswith("data: {")
+            if action in ("disconnect", "cancel") and events >= rng.randrange(1, 4):
+                return "client-disconnect"  # leaving the block closes the connection
+    return "200"
 
 
 def test_a_thousand_requests_ended_every_which_way_all_end_with_a_status(chaos_cluster):
