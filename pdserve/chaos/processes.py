@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 READY = re.compile(r"ready: .*? at (\S+)")
@@ -73,9 +74,18 @@ class ManagedProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
         """SIGTERM (drain, then exit) and wait; SIGKILL after `timeout`. A stopped process is continued first."""
+        self.signal_stop(sig)
+        return self.wait_stopped(timeout)
+
+    def signal_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Ask it to stop (continued first, if it was stopped) without waiting."""
         if self.alive:
             self.popen.send_signal(signal.SIGCONT)
             self.popen.send_signal(sig)
+
+    def wait_stopped(self, timeout: float = 30) -> int | None:
+        """Wait for it to exit; SIGKILL after `timeout`."""
+        if self.alive:
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -103,3 +113,12 @@ def _without(args: list[str], flag: str) -> list[str]:
         elif not arg.startswith(flag + "="):
             out.append(arg)
     return out
+
+
+def stop_all(procs: Iterable[ManagedProcess], timeout: float = 30) -> None:
+    """Stop several at once: each drains in parallel with the others, not one after another."""
+    procs = list(procs)
+    for proc in procs:
+        proc.signal_stop()
+    for proc in procs:
+        proc.wait_stopped(timeout)

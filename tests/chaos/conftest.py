@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdserve.chaos.faults import wait_back
-from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value, start, start_router, start_worker
+from pdserve.chaos.processes import stop_all
+from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value, start, start_router, start_workers
 from tests.redis_server import RedisServer
 
 STREAM_TIMEOUT_S = 4
@@ -40,9 +41,8 @@ def chaos_cluster(smollm2_dir, tmp_path_factory):
     registry = ["--redis-url", redis_server.url, "--registry-ttl-s", "2"]
     procs = []
     try:
-        with ThreadPoolExecutor(5) as pool:
-            workers = list(pool.map(lambda role: start_worker(role, "--drain-timeout-s", "1", *auth, *registry),
-                                    ["prefill", "prefill", "decode", "decode", "decode"]))
+        workers = start_workers(["prefill", "prefill", "decode", "decode", "decode"], "--drain-timeout-s", "1", *auth,
+                                *registry)
         procs += workers
         prefill, decode = workers[:2], workers[2:]
         migrating = ["--stream-timeout-s", str(STREAM_TIMEOUT_S), *auth]
@@ -61,8 +61,7 @@ def chaos_cluster(smollm2_dir, tmp_path_factory):
         wait_in_rotation(cluster)
         yield cluster
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
         redis_server.stop()
 
 

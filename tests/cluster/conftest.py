@@ -3,19 +3,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.harness import free_port, start_router, start_worker
+from pdserve.chaos.processes import stop_all
+from tests.cluster.harness import free_port, start_router, start_workers
 
 
 @pytest.fixture(scope="session")
 def workers(smollm2_dir):
-    started = []
+    started = start_workers(["prefill", "prefill", "decode", "decode"])
     try:
-        for role in ("prefill", "prefill", "decode", "decode"):
-            started.append(start_worker(role))
         yield {"prefill": started[:2], "decode": started[2:]}
     finally:
-        for proc in started:
-            proc.stop()
+        stop_all(started)
 
 
 @pytest.fixture(scope="session")

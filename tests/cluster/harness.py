@@ -1,10 +1,12 @@
 """Start pdserve processes the way an operator would (`pdserve prefill-worker` ...), for tests."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 
 from pdserve.chaos.leaks import wait_until_idle, worker_stats  # noqa: F401 - worker_stats is used by tests
-from pdserve.chaos.processes import ManagedProcess
+from pdserve.chaos.processes import ManagedProcess, stop_all
 from pdserve.protocol import generate_pb2_grpc
 
 WORKER_FLAGS = ["--model", "default", "--dtype", "float32", "--kv-cache-memory-gib", "0.25", "--num-threads", "1",
@@ -19,6 +21,18 @@ def start(name: str, args: list[str], timeout: float = 600) -> Proc:
 
 def start_worker(role: str, *extra: str) -> Proc:
     return start(f"{role}-worker", [f"{role}-worker", *WORKER_FLAGS, *extra])
+
+
+def start_workers(roles: list[str], *extra: str) -> list[Proc]:
+    """Several workers started side by side (each loads the model; ~7 s apiece one after another).
+    If one fails to start, those that did are stopped before the error is raised."""
+    with ThreadPoolExecutor(len(roles)) as pool:
+        futures = [pool.submit(start_worker, role, *extra) for role in roles]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all(f.result() for f in futures if f.exception() is None)
+        raise failed[0]
+    return [f.result() for f in futures]
 
 
 def start_router(prefill: list[Proc], decode: list[Proc], *extra: str, route_metadata: bool = True) -> Proc:

@@ -13,6 +13,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from engine.sampling_params import SamplingParams
+from pdserve.chaos.processes import stop_all
 from pdserve.client import build_request
 from pdserve.protocol import generate_pb2_grpc
 from tests.cluster.harness import assert_no_leaks, free_port, metric_value, start, start_worker
@@ -36,8 +37,7 @@ def small_cluster(smollm2_dir):
         procs.append(router)
         yield router, [prefill, decode]
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 async def run_one(stub, i: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from pdserve.chaos.processes import stop_all
 from pdserve.grpc_common import insecure_channel
 from pdserve.protocol import generate_pb2, generate_pb2_grpc
 from tests.cluster.harness import assert_no_leaks, start_router, start_worker, worker_stats
@@ -50,5 +51,4 @@ def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, sm
             assert tokens == expected[(str(i), None)]["token_ids"], i
         assert_no_leaks([prefill, decode])
     finally:
-        for proc in (router, prefill, decode):
-            proc.stop()
+        stop_all((router, prefill, decode))

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.chaos.processes import stop_all
 from pdserve.grpc_common import LIVENESS_SERVICE
 from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster.harness import Proc, free_port, generation_stub, start_router, start_worker
@@ -99,8 +100,7 @@ def cluster(smollm2_dir):
                                                              str(timeout)), [DRAIN_TIMEOUT_S, SHORT_DRAIN_TIMEOUT_S])
         yield started
     finally:
-        for proc in started:
-            proc.stop()
+        stop_all(started)
 
 
 def test_sigterm_drains_router_and_decode_worker_during_a_long_generation(cluster):

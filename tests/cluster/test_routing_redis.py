@@ -13,7 +13,15 @@ import time
 
 import pytest
 
-from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, metric_value, start, start_worker
+from tests.cluster.harness import (
+    assert_no_leaks,
+    free_port,
+    generate_routed,
+    metric_value,
+    start,
+    start_worker,
+    start_workers,
+)
 from tests.redis_server import RedisServer
 
 TTL_S = 2.0
@@ -36,7 +44,7 @@ def cluster(smollm2_dir, tmp_path_factory):
     registry = ["--redis-url", redis_server.url, "--registry-ttl-s", str(TTL_S), "--cluster-secret-file", secret]
     procs = []
     try:
-        workers = [start_worker(role, *registry) for role in ("prefill", "prefill", "decode")]
+        workers = start_workers(["prefill", "prefill", "decode"], *registry)
         procs += workers
         routers = []
         for name in ("a", "b"):

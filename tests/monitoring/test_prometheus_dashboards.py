@@ -17,6 +17,7 @@ import pytest
 
 from loadtest.config import DatasetConfig, LoadTestConfig
 from loadtest.runner import run
+from pdserve.chaos.processes import stop_all
 from pdserve.protocol import generate_pb2
 from router.metrics import LATENCY_BUCKETS
 from tests.cluster.harness import free_port, generation_stub, start_router, start_worker
@@ -36,8 +37,7 @@ def cluster(smollm2_dir):
         procs.append(start_router(procs[:1], procs[1:], "--metrics-port", str(ports["router"])))
         yield procs[2].address, {job: [f"127.0.0.1:{p}"] for job, p in ports.items()}
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module")

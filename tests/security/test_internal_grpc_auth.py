@@ -10,10 +10,11 @@ import socket
 import grpc
 import pytest
 
+from pdserve.chaos.processes import stop_all
 from pdserve.cluster_auth import ClusterAuthConfig, handles, tokens, write_secret_file
 from pdserve.cluster_auth.grpc_auth import METADATA_KEY
 from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
-from tests.cluster.harness import generation_stub, start_router, start_worker
+from tests.cluster.harness import generation_stub, start_router, start_workers
 
 PROMPT = list(range(1000, 1040))
 SERVICE = "/pdserve.v1.Worker/"
@@ -33,13 +34,11 @@ def keys(secret_file):
 def cluster(smollm2_dir, secret_file):
     procs = []
     try:
-        procs.append(start_worker("prefill", "--cluster-secret-file", secret_file))
-        procs.append(start_worker("decode", "--cluster-secret-file", secret_file))
+        procs += start_workers(["prefill", "decode"], "--cluster-secret-file", secret_file)
         procs.append(start_router(procs[:1], procs[1:2], "--cluster-secret-file", secret_file))
         yield {"prefill": procs[0], "decode": procs[1], "router": procs[2]}
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)
 
 
 def call(address: str, method: str, request, key: bytes | None = None, stream: bool = False):

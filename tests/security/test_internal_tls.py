@@ -10,9 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdserve.chaos.processes import stop_all
 from pdserve.cluster_auth.dev_pki import make_ca, make_cert
 from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
-from tests.cluster.harness import generation_stub, start_router, start_worker
+from tests.cluster.harness import generation_stub, start_router, start_worker, start_workers
 
 PROMPT = list(range(2000, 2030))
 
@@ -36,15 +37,13 @@ def tls_cluster(smollm2_dir, pki, tmp_path_factory):
                   "--tls-ca", str(pki / "ca.pem"), "--cluster-secret-file", secret]
     procs = []
     try:
-        procs.append(start_worker("prefill", *worker_tls))
-        procs.append(start_worker("decode", *worker_tls))
+        procs += start_workers(["prefill", "decode"], *worker_tls)
         procs.append(start_router(procs[:1], procs[1:], "--cluster-secret-file", secret,
                                   "--worker-tls-cert", str(pki / "router.pem"),
                                   "--worker-tls-key", str(pki / "router.key"), "--worker-tls-ca", str(pki / "ca.pem")))
         yield {"prefill": procs[0], "decode": procs[1], "router": procs[2]}
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)
 
 
 def test_the_router_serves_over_mtls(tls_cluster):
