@@ -6,6 +6,10 @@ from dataclasses import dataclass, field, replace
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 SPECULATIVE_METHODS = ("ngram", "draft")
+QUANTIZATIONS = ("int8", "fp8")
+"""Weight quantization applied at load to an unquantized checkpoint (engine/model/quantization.py)."""
+CHECKPOINT_QUANTIZATIONS = ("fp8",)
+"""`quantization_config.quant_method`s of checkpoints loaded as they are."""
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
@@ -98,6 +102,9 @@ class EngineConfig:
     overlap_steps: bool | None = None
     """Launch step N+1 before detokenizing and reporting step N; None: on CUDA, where the launch is
     asynchronous (on CPU it would delay every report by a whole step)."""
+    quantization: str | None = None
+    """Weights of the four linears of each layer: None (the checkpoint's own: unquantized, or fp8 for an
+    fp8 checkpoint), int8 (weight-only, per channel) or fp8 (e4m3, per channel), quantized at load."""
     seed: int = 0
     """Seed for requests that give none."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -111,6 +118,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

@@ -29,7 +29,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.cache.block_size
         self.model = load_model(model_path, model_config, self.dtype, self.device,
-                                config.attention_backend, max_model_len)
+                                config.attention_backend, max_model_len, config.quantization)
         self.varlen = VarlenInputBuilder(self.block_size, self.device) if self.model.attention.varlen else None
         block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype)
         self.num_blocks = config.cache.num_blocks or max(1, self._kv_cache_bytes(model_config) // block_bytes)
@@ -70,26 +70,33 @@ class ModelRunner:
                               f"{self.config.cache.gpu_memory_utilization}")
         return budget
 
-    @torch.inference_mode()
     def _profile_run(self, model_config: ModelConfig) -> None:
         """One forward of a full token budget (one sequence), sampling max_num_seqs rows of logits."""
         sched = self.config.scheduler
         tokens = min(sched.max_num_batched_tokens, self.model.rotary.cos.shape[0])
+        self.forward_prompt(torch.zeros(tokens, dtype=torch.long, device=self.device),
+                            torch.arange(tokens - min(tokens, sched.max_num_seqs), tokens, device=self.device))
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def forward_prompt(self, token_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of `rows` of one prompt, prefilled whole into a scratch cache of its own (the engine's
+        KV is untouched): memory profiling, and scoring a text position by position."""
+        model_config = self.model.config
+        tokens = token_ids.shape[0]
         blocks = -(-tokens // self.block_size)
         cache = torch.zeros((blocks, model_config.num_layers, 2, self.block_size, model_config.num_kv_heads,
                              model_config.head_dim), dtype=self.dtype, device=self.device)
         dev = self.device
         positions = torch.arange(tokens, device=dev)
-        slots = positions.to(torch.int32)
         meta = AttentionMetadata(slot_blocks=positions // self.block_size, slot_offsets=positions % self.block_size,
-                                 slot_mapping=slots, cu_q=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
+                                 slot_mapping=positions.to(torch.int32),
+                                 cu_q=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
                                  seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
                                  block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
                                  max_query_len=tokens,
                                  prefills=[PrefillSpan(0, tokens, 0, torch.arange(blocks, device=dev))])
-        rows = torch.arange(tokens - min(tokens, sched.max_num_seqs), tokens, device=dev)
-        self.model.forward(torch.zeros(tokens, dtype=torch.long, device=dev), positions, cache, meta, rows)
-        torch.cuda.synchronize(self.device)
+        return self.model.forward(token_ids.to(dev), positions, cache, meta, rows.to(dev))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:

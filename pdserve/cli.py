@@ -4,12 +4,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is present), cpu or cuda[:N]")
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                   help="quantize the layers' linear weights at load: int8 (weight-only) or fp8 (e4m3); "
+                        "a checkpoint already in fp8 needs no flag")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"],
                    help="auto: triton on CUDA, torch on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -37,6 +41,7 @@ def engine_config_from_args(args: argparse.Namespace):
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        quantization=args.quantization,
         attention_backend=args.attention_backend, cuda_graphs=not args.enforce_eager,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs),
@@ -202,6 +207,14 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                                                      getattr(args, "worker_tls_server_name", None)))
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from engine.model.fp8_checkpoint import save_fp8_checkpoint
+    from engine.model_files import resolve_model_path
+    out = save_fp8_checkpoint(resolve_model_path(args.model), Path(args.output))
+    print(f"wrote {args.quantization} checkpoint to {out}")
+    return 0
+
+
 def _addresses(text: str) -> list[str]:
     return [a.strip() for a in text.split(",") if a.strip()]
 
@@ -261,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "draining workers on a schedule; report completed/migrated/failed "
                                                 "requests and leaks (exit 1 unless none failed and nothing leaked)"))
 
+    quantize = sub.add_parser("quantize", help="write a checkpoint's layer weights in fp8 (the format vLLM's fp8 "
+                                                "method loads; pdserve loads it with no flag)")
+    quantize.add_argument("--model", default="default", help="unquantized checkpoint directory, or 'default'")
+    quantize.add_argument("--quantization", default="fp8", choices=["fp8"])
+    quantize.add_argument("--output", required=True, help="directory to write the quantized checkpoint to")
+
     for role in ("prefill", "decode"):
         worker = sub.add_parser(f"{role}-worker", help=f"run one {role} worker (its own gRPC server)")
         add_worker_args(worker, standalone=True)
@@ -295,6 +314,8 @@ def _prepare(args: argparse.Namespace):
     if args.command == "chaos":
         from pdserve.chaos.cli import prepare as prepare_chaos
         return prepare_chaos(args)
+    if args.command == "quantize":
+        return lambda: _quantize(args)
     if args.command in ("prefill-worker", "decode-worker"):
         from worker_runtime.server import run_worker
         config = worker_config_from_args(args, args.command.split("-")[0])

@@ -38,9 +38,16 @@ class Linear:
             weight = weight.float()
             bias = None if bias is None else bias.float()
         self.bias = bias
+        self.weight_dtype = weight.dtype
         self.packed = None if self.upcast else _pack(weight, bias)
         self.weight = None if self.packed is not None else weight
         """The plain weight, kept only when it is what runs (the packed copy replaces it)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as kept (float32 where upcast; a packed copy counts as its plain size)."""
+        itemsize = torch.empty((), dtype=self.weight_dtype).element_size()
+        return self.out_features * self.in_features * itemsize
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

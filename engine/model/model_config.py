@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import CHECKPOINT_QUANTIZATIONS
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -31,6 +33,8 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    quantization: str | None = None
+    """The checkpoint's own weight format (`quantization_config.quant_method`), None when unquantized."""
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -51,6 +55,11 @@ class ModelConfig:
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", kind == "mistral") else None
         if sliding is not None:
             raise ValueError("sliding-window attention is not supported")
+        quantization = (raw.get("quantization_config") or {}).get("quant_method")
+        if quantization is not None and quantization not in CHECKPOINT_QUANTIZATIONS:
+            raise ValueError(f"checkpoint quantization {quantization!r} is not supported (supported: "
+                             f"{', '.join(CHECKPOINT_QUANTIZATIONS)}; or quantize an unquantized checkpoint "
+                             "at load with --quantization)")
         return cls(
             architecture=kind,
             vocab_size=raw["vocab_size"],
@@ -68,4 +77,5 @@ class ModelConfig:
             qkv_bias=kind == "qwen2" or bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            quantization=quantization,
         )
