@@ -97,8 +97,8 @@ def run_variants(model_dir, dtype, work, args) -> dict:
     return out
 
 
-def run_pdserve(model_dir, dtype, work, args):
-    config = EngineConfig(model=str(model_dir), dtype=dtype,
+def run_pdserve(model_dir, dtype, work, args, quantization: str | None = None):
+    config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization,
                           scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                     max_num_seqs=args.max_num_seqs),
                           cache=CacheConfig(kv_cache_memory_bytes=int(args.kv_gib * 2**30)))
