@@ -32,7 +32,7 @@ def router_with_metrics(prefill, decode, *extra):
     return proc
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chaos_cluster(smollm2_dir, tmp_path_factory):
     from pdserve.cluster_auth import write_secret_file
     redis_server = RedisServer(free_port()).start()
@@ -95,7 +95,7 @@ def workers_restored(chaos_cluster):
     wait_in_rotation(chaos_cluster)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def offline_engine(smollm2_dir):
     """The offline engine, configured as the workers are: the reference every output must equal."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig

@@ -7,7 +7,7 @@ from pdserve.chaos.processes import stop_all
 from tests.cluster.harness import free_port, start_router, start_workers
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def workers(smollm2_dir):
     started = start_workers(["prefill", "prefill", "decode", "decode"])
     try:
@@ -16,14 +16,14 @@ def workers(smollm2_dir):
         stop_all(started)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_1p1d(workers):
     proc = start_router(workers["prefill"][:1], workers["decode"][:1])
     yield proc
     proc.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_2p2d(workers):
     port = free_port()
     proc = start_router(workers["prefill"], workers["decode"], "--metrics-port", str(port))
@@ -32,7 +32,7 @@ def router_2p2d(workers):
     proc.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def http_router(workers):
     """A router over one prefill and one decode worker, serving gRPC and the OpenAI HTTP API."""
     port = free_port()
