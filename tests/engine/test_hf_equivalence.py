@@ -14,7 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 QUESTIONS = [
