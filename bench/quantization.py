@@ -7,7 +7,7 @@ For each --dtype and each weight format (none, int8, fp8):
   memory      bytes of the layers' linear weights as kept, and of all weights;
   throughput  the offline workload of bench/offline_throughput.py (greedy, ignore_eos), output tok/s.
 
-  .venv/bin/python bench/quantization.py --dtype float32 bfloat16
+  .venv/bin/python bench/quantization.py --dtypes float32 bfloat16 --rounds 2
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=2, help="throughput rounds, interleaved over the formats")
     ap.add_argument("--output", default=str(ROOT / "bench" / "results" / "quantization.json"))
     args = ap.parse_args()
     model_dir = resolve_model_path(args.model)
@@ -81,13 +82,19 @@ def main() -> int:
         for quantization in FORMATS:
             scored = score(model_dir, dtype, quantization, ids)
             agreement = float((scored.pop("logits").argmax(-1) == reference).float().mean())
-            run = run_pdserve(model_dir, dtype, work, args, quantization=quantization)
             rows.append({"dtype": dtype, "weights": quantization or "none", "top1_agreement_vs_bf16": agreement,
-                         **scored, "output_tok_s": run["output_tokens"] / run["elapsed_s"], **run})
-            r = rows[-1]
-            print(f"{dtype:<9} {r['weights']:<5} agree {agreement:6.4f}  ppl {r['perplexity']:7.3f}  "
-                  f"linears {r['linear_mib']:6.1f} MiB  weights {r['weights_mib']:6.1f} MiB  "
-                  f"{r['output_tok_s']:7.1f} out tok/s", flush=True)
+                         **scored, "runs": []})
+    for _ in range(args.rounds):  # throughput A/B interleaved: every format sees the same machine
+        for r in rows:
+            r["runs"].append(run_pdserve(model_dir, r["dtype"], work, args,
+                                         quantization=None if r["weights"] == "none" else r["weights"]))
+    for r in rows:
+        best = min(r["runs"], key=lambda run: run["elapsed_s"])
+        r["output_tok_s"] = best["output_tokens"] / best["elapsed_s"]
+        r["rounds_output_tok_s"] = [run["output_tokens"] / run["elapsed_s"] for run in r["runs"]]
+        print(f"{r['dtype']:<9} {r['weights']:<5} agree {r['top1_agreement_vs_bf16']:6.4f}  "
+              f"ppl {r['perplexity']:7.3f}  linears {r['linear_mib']:6.1f} MiB  weights {r['weights_mib']:6.1f} MiB  "
+              f"{r['output_tok_s']:7.1f} out tok/s (best of {args.rounds})", flush=True)
     cpu = torch.backends.cpu.get_cpu_capability()
     result = {"cpu_capability": cpu, "threads": torch.get_num_threads(), "positions": args.positions,
               "workload": {"requests": len(work), "prompt_len": args.prompt_len, "output_len": args.output_len},
