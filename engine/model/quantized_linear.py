@@ -9,7 +9,7 @@ widened per call: `F.linear(x, q) * s`, correct but no faster than the unquantiz
 fp8: on CUDA devices with fp8 tensor cores (compute capability 8.9+) `torch._scaled_mm` with the
 weight kept in fp8 and the activations quantized per token on the fly (dynamic scales), scales per
 output channel (rowwise). Elsewhere, CPU included, no fp8 GEMM is fast (torch's CPU `_scaled_mm`
-takes ~100x `F.linear`'s time here), so the weight is dequantized once at load into the model dtype:
+takes 8-130x `F.linear`'s time here), so the weight is dequantized once at load into the model dtype:
 fp8's numerics, none of its memory or speed.
 """
 from __future__ import annotations
