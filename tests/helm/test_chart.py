@@ -282,6 +282,7 @@ BAD_VALUES = [
     ("mode=kubernetes", "at '/mode': value must be one of 'deployments', 'raycluster'"),
     ("decode.port=70000", "at '/decode/port': maximum: got 70,000, want 65,535"),
     ("router.replicass=2", "additional properties 'replicass' not allowed"),
+    ("model.quantization=int4", "at '/model/quantization': value must be one of"),
 ]
 
 
@@ -291,6 +292,17 @@ def test_schema_rejects_bad_values_with_a_clear_message(setting, message):
         template("--set", setting)
     assert "values don't meet the specifications of the schema" in str(refused.value)
     assert message in str(refused.value)
+
+
+def test_weight_quantization_reaches_every_worker_and_only_when_set():
+    def engine_args(objs: list[dict]) -> list[list[str]]:
+        containers = [c for o in objs if o["kind"] == "Deployment" for c in o["spec"]["template"]["spec"]["containers"]]
+        return [c["args"] for c in containers if "--dtype" in c.get("args", [])]
+
+    quantized = engine_args(objects(template("--set", "model.quantization=int8")))
+    assert len(quantized) == 2, "prefill and decode workers"
+    assert all(args[args.index("--quantization") + 1] == "int8" for args in quantized)
+    assert all("--quantization" not in args for args in engine_args(objects(template())))
 
 
 def test_external_redis_url_with_a_password_is_refused():

@@ -239,6 +239,10 @@ default
 - --max-model-len
 - {{ . | quote }}
 {{- end }}
+{{- with .Values.model.quantization }}
+- --quantization
+- {{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "pdserve.terminationGracePeriodSeconds" -}}
