@@ -27,7 +27,7 @@ class TritonPagedAttention(AttentionBackend):
             raise RuntimeError("attention_backend='triton' needs the triton package") from exc
         self._kernels = triton_kernels
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0)) -> torch.Tensor:
         self._kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q,
                                              meta.max_query_len, self.scale)
