@@ -79,7 +79,10 @@ def test_round_trip_within_fp8_precision():
     meta.decode_block_tables = torch.tensor([[2]] * 3 + [[0]] * 2)
     meta.decode_seq_lens = torch.tensor([1, 2, 3, 1, 2])
     scales = (float(k.abs().max()) / 448, float(v.abs().max()) / 448)  # the largest maps to e4m3's max
-    TorchPagedAttention(9, hkv, d, d ** -0.5).forward(q, k, v, k_cache, v_cache, meta, scales)
+    kernel = TorchPagedAttention(9, hkv, d, d ** -0.5).forward(q, k, v, k_cache, v_cache, meta, scales)
+    gathered = TorchPagedAttention(9, hkv, d, d ** -0.5, use_cpu_kernel=False).forward(
+        q, k, v, k_cache, v_cache, meta, scales)
+    assert torch.allclose(kernel, gathered, atol=1e-5)  # the C++ fp8 read (when built) = the torch one
     back_k = fp8_kv.dequantize(k_cache[meta.slot_blocks, meta.slot_offsets], scales[0], torch.float32)
     back_v = fp8_kv.dequantize(v_cache[meta.slot_blocks, meta.slot_offsets], scales[1], torch.float32)
     # e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 (subnormals: half a 2^-9 step, absolute).
