@@ -144,3 +144,11 @@ def test_flag_reaches_the_engine_config():
     add_engine_args(p)
     assert engine_config_from_args(p.parse_args(["--kv-cache-dtype", "fp8"])).cache.kv_cache_dtype == "fp8"
     assert engine_config_from_args(p.parse_args([])).cache.kv_cache_dtype == "auto"
+
+
+def test_triton_refuses_fp8_under_the_interpreter(smollm2_dir):
+    if torch.cuda.is_available():
+        pytest.skip("compiled Triton reads fp8 caches")
+    with pytest.raises(ValueError, match="cannot read an fp8 KV cache on cpu"):
+        LLMEngine(EngineConfig(model=str(smollm2_dir), attention_backend="triton",
+                               cache=CacheConfig(num_blocks=4, kv_cache_dtype="fp8")))
