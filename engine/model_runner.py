@@ -54,10 +54,10 @@ class ModelRunner:
         """The KV cache's element type; for fp8, also hands the model its per-layer scales."""
         if not self.config.cache.fp8_kv:
             return self.dtype
-        backend = type(self.model.attention)
         if not self.model.attention.supports_fp8_kv:
-            raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: the {backend.__name__} "
-                             f"attention backend cannot read an fp8 KV cache on {self.device.type}")
+            raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: the "
+                             f"{type(self.model.attention).__name__} attention backend cannot read an fp8 KV cache "
+                             f"on {self.device.type}")
         self.model.kv_scales = load_kv_scales(model_path, model_config.num_layers)
         return FP8_DTYPE
 

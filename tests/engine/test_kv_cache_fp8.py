@@ -152,3 +152,16 @@ def test_triton_refuses_fp8_under_the_interpreter(smollm2_dir):
     with pytest.raises(ValueError, match="cannot read an fp8 KV cache on cpu"):
         LLMEngine(EngineConfig(model=str(smollm2_dir), attention_backend="triton",
                                cache=CacheConfig(num_blocks=4, kv_cache_dtype="fp8")))
+
+
+def test_ngram_speculation_over_fp8_blocks(smollm2_dir, fp8_engine):
+    """Verify steps read their own just-written (quantized) K/V like decode steps do, so speculation over an
+    fp8 cache continues as plain decoding does, and gives every block back."""
+    from engine.config import SpeculativeConfig
+    spec = LLMEngine(EngineConfig(model=str(smollm2_dir), speculative=SpeculativeConfig(method="ngram"),
+                                  cache=CacheConfig(kv_cache_memory_bytes=BUDGET, kv_cache_dtype="fp8")))
+    prompt = fp8_engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat exactly: one two three four, one two three four, one two"}])
+    plain, speculated = greedy(fp8_engine, [prompt]), greedy(spec, [prompt])
+    assert agreement(speculated, plain) >= 0.75
+    assert spec.kv.pool.num_used_blocks == 0 and not spec.has_unfinished()
