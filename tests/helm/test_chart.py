@@ -282,6 +282,7 @@ BAD_VALUES = [
     ("mode=kubernetes", "at '/mode': value must be one of 'deployments', 'raycluster'"),
     ("decode.port=70000", "at '/decode/port': maximum: got 70,000, want 65,535"),
     ("router.replicass=2", "additional properties 'replicass' not allowed"),
+    ("model.kvCacheDtype=int8", "at '/model/kvCacheDtype': value must be one of 'auto', 'fp8', 'fp8_e4m3'"),
 ]
 
 
@@ -291,6 +292,13 @@ def test_schema_rejects_bad_values_with_a_clear_message(setting, message):
         template("--set", setting)
     assert "values don't meet the specifications of the schema" in str(refused.value)
     assert message in str(refused.value)
+
+
+def test_kv_cache_dtype_reaches_every_engine_only_when_set(rendered):
+    assert "--kv-cache-dtype" not in "".join(rendered.values())
+    fp8 = template("--set", "model.kvCacheDtype=fp8")
+    assert fp8.count("- --kv-cache-dtype\n") == fp8.count("- --kv-cache-memory-gib\n") > 0
+    assert "- --kv-cache-dtype\n            - fp8\n" in fp8
 
 
 def test_external_redis_url_with_a_password_is_refused():
