@@ -19,8 +19,9 @@ import json
 from collections.abc import Sequence
 
 #: Wire protocol version; bump on any incompatible change of the messages
-#: (2: the layout carries the pool's device kind; 3: HMAC handshake and transfer capabilities).
-PROTOCOL_VERSION = 3
+#: (2: the layout carries the pool's device kind; 3: HMAC handshake and transfer capabilities;
+#: 4: the layout carries the digest of an fp8 pool's K/V scales).
+PROTOCOL_VERSION = 4
 
 #: Bytes per element for the dtypes we accept.
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
