@@ -101,7 +101,8 @@ def run_pdserve(model_dir, dtype, work, args, quantization: str | None = None):
     config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization,
                           scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                     max_num_seqs=args.max_num_seqs),
-                          cache=CacheConfig(kv_cache_memory_bytes=int(args.kv_gib * 2**30)))
+                          cache=CacheConfig(kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+                                            kv_cache_dtype=args.kv_cache_dtype))
     engine = LLMEngine(config)
     engine.generate([work[0][0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     engine.kv.pool.reset_prefix_cache()
@@ -185,6 +186,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-gib", type=float, default=2.0)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf-naive", "hf-static"])
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
                     help="pdserve runs under these switches (fused: C++ elementwise kernels; unfused: "

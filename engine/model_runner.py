@@ -6,8 +6,10 @@ import logging
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
+from engine.attention.fp8_kv import FP8_DTYPE
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.model.kv_scales import load_kv_scales
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.model_config import ModelConfig
 from engine.scheduler import SchedulerOutput
@@ -31,14 +33,15 @@ class ModelRunner:
         self.model = load_model(model_path, model_config, self.dtype, self.device,
                                 config.attention_backend, max_model_len, config.quantization)
         self.varlen = VarlenInputBuilder(self.block_size, self.device) if self.model.attention.varlen else None
-        block_bytes = kv_block_bytes(model_config, self.block_size, self.dtype)
+        self.kv_dtype = self._kv_dtype(model_path, model_config)
+        block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_dtype)
         self.num_blocks = config.cache.num_blocks or max(1, self._kv_cache_bytes(model_config) // block_bytes)
         self.kv_cache = torch.zeros(
             (self.num_blocks, model_config.num_layers, 2, self.block_size,
              model_config.num_kv_heads, model_config.head_dim),
-            dtype=self.dtype, device=self.device)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s, %s)", self.num_blocks, self.block_size,
-                    self.num_blocks * block_bytes / 2**20, self.dtype, self.device)
+            dtype=self.kv_dtype, device=self.device)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d bytes per block, %s, %s)", self.num_blocks,
+                    self.block_size, self.num_blocks * block_bytes / 2**20, block_bytes, self.kv_dtype, self.device)
         self.graphs = None
         self.num_graph_steps = 0
         """Steps replayed from a captured decode graph (the rest ran eagerly)."""
@@ -46,6 +49,22 @@ class ModelRunner:
             from engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs,
                                        -(-max_model_len // self.block_size))
+
+    def _kv_dtype(self, model_path, model_config: ModelConfig) -> torch.dtype:
+        """The KV cache's element type; for fp8, also hands the model its per-layer scales."""
+        if not self.config.cache.fp8_kv:
+            return self.dtype
+        if not self.model.attention.supports_fp8_kv:
+            raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: the "
+                             f"{type(self.model.attention).__name__} attention backend cannot read an fp8 KV cache "
+                             f"on {self.device.type}")
+        self.model.kv_scales = load_kv_scales(model_path, model_config.num_layers)
+        return FP8_DTYPE
+
+    @property
+    def kv_scales(self) -> list[tuple[float, float]] | None:
+        """(k_scale, v_scale) per layer of an fp8 cache; None when K/V are kept in the model's dtype."""
+        return self.model.kv_scales if self.kv_dtype == FP8_DTYPE else None
 
     def _kv_cache_bytes(self, model_config: ModelConfig) -> int:
         """The configured budget; on CUDA without one, what gpu_memory_utilization leaves
@@ -86,7 +105,7 @@ class ModelRunner:
         tokens = token_ids.shape[0]
         blocks = -(-tokens // self.block_size)
         cache = torch.zeros((blocks, model_config.num_layers, 2, self.block_size, model_config.num_kv_heads,
-                             model_config.head_dim), dtype=self.dtype, device=self.device)
+                             model_config.head_dim), dtype=self.kv_dtype, device=self.device)
         dev = self.device
         positions = torch.arange(tokens, device=dev)
         meta = AttentionMetadata(slot_blocks=positions // self.block_size, slot_offsets=positions % self.block_size,

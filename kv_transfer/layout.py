@@ -5,7 +5,10 @@ The engine keeps one contiguous tensor ``kv_cache`` of shape
 ("block_major"): one block (all layers, K and V) is one contiguous byte range,
 so a transfer is one descriptor per block. The device kind of the pool ("cpu"
 or "cuda") is part of the layout, so a CPU pool and a CUDA pool have different
-compatibility hashes and refuse each other at the handshake.
+compatibility hashes and refuse each other at the handshake. So are the dtype
+(an fp8 pool holds half the bytes of a bf16 one per block) and, for an fp8 pool,
+a digest of its per-layer K/V scales: the same fp8 bytes mean different K/V
+under different scales.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 
 #: Wire protocol version; bump on any incompatible change of the messages
-#: (2: the layout carries the pool's device kind; 3: HMAC handshake and transfer capabilities).
-PROTOCOL_VERSION = 3
+#: (2: the layout carries the pool's device kind; 3: HMAC handshake and transfer capabilities;
+#: 4: the layout carries the digest of an fp8 pool's K/V scales).
+PROTOCOL_VERSION = 4
 
 #: Bytes per element for the dtypes we accept.
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
@@ -47,6 +52,8 @@ class KVLayout:
     """Memory layout name; only ``"block_major"`` is defined."""
     device: str = "cpu"
     """Device kind of the pool: ``"cpu"`` or ``"cuda"`` (not the device index: two GPUs interoperate)."""
+    kv_scales: str = ""
+    """Digest of the per-layer (k_scale, v_scale) of a quantized (fp8) pool; empty when K/V are stored as is."""
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -78,9 +85,11 @@ class KVLayout:
         return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @classmethod
-    def of_kv_cache(cls, kv_cache: object, model_id: str) -> KVLayout:
+    def of_kv_cache(cls, kv_cache: object, model_id: str,
+                    kv_scales: Sequence[tuple[float, float]] | None = None) -> KVLayout:
         """Layout of an engine's ``kv_cache`` tensor (or numpy array) of shape
-        ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, device kind included."""
+        ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, device kind included;
+        ``kv_scales``: the per-layer (k_scale, v_scale) of an fp8 pool."""
         shape = tuple(int(d) for d in kv_cache.shape)
         if len(shape) != 6 or shape[2] != 2:
             raise ValueError(f"kv_cache shape {shape} is not [num_blocks, num_layers, 2, "
@@ -88,7 +97,7 @@ class KVLayout:
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         device = getattr(getattr(kv_cache, "device", None), "type", "cpu")
         return cls(model_id=model_id, dtype=dtype, block_size=shape[3], num_layers=shape[1],
-                   num_kv_heads=shape[4], head_dim=shape[5], device=device)
+                   num_kv_heads=shape[4], head_dim=shape[5], device=device, kv_scales=scales_digest(kv_scales))
 
     def to_dict(self) -> dict:
         """Plain dict (JSON-able)."""
@@ -113,3 +122,11 @@ class KVLayout:
         diffs = [f"{k}: ours={v!r} peer={getattr(other, k)!r}"
                  for k, v in self.to_dict().items() if getattr(other, k) != v]
         return "; ".join(diffs) or "no field differs (hash algorithm mismatch?)"
+
+
+def scales_digest(kv_scales: Sequence[tuple[float, float]] | None) -> str:
+    """Short stable digest of per-layer (k_scale, v_scale) pairs; "" for none (exact float reprs hashed)."""
+    if kv_scales is None:
+        return ""
+    canon = json.dumps([[float(k), float(v)] for k, v in kv_scales])
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]

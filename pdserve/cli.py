@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV cache size (default: 2 on CPU; on CUDA what --gpu-memory-utilization leaves)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: float8_e4m3 K/V with per-layer scales (half the bytes)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding (exact): ngram (prompt lookup) or draft (--speculative-model)")
@@ -48,7 +50,8 @@ def engine_config_from_args(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                           kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None
                           else int(args.kv_cache_memory_gib * 2**30),
-                          gpu_memory_utilization=args.gpu_memory_utilization),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_dtype=args.kv_cache_dtype),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       model=args.speculative_model, ngram_min=args.ngram_min,

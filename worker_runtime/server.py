@@ -62,7 +62,7 @@ class WorkerServer:
             engine_config = dataclasses.replace(engine_config, speculative=SpeculativeConfig())
         self.engine = await aio.run_in_executor(None, LLMEngine, engine_config)
         kv_cache = self.engine.runner.kv_cache
-        layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name)
+        layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name, self.engine.runner.kv_scales)
         keys = config.auth.load()  # read here, in the worker's process: never carried in its arguments
         warn_if_exposed(f"{config.role} worker gRPC", config.host, keys)
         warn_if_exposed(f"{config.role} worker KV transfer", config.kv_transfer.host, keys)

@@ -9,6 +9,10 @@ prefill chunks. The torch backend reads them per kind (`slot_blocks`,
 `decode_*`, `prefills`); varlen backends (triton) read one sequence after
 another (`slot_mapping`, `cu_q`, `seq_lens`, `block_tables`), built in one
 copy by engine/varlen_inputs.py.
+
+An fp8 KV cache (float8_e4m3fn views) holds K/V divided by the layer's
+`kv_scales` (engine/attention/fp8_kv.py); backends that cannot read it say so
+with `supports_fp8_kv = False` and the engine refuses the combination.
 """
 from __future__ import annotations
 
@@ -69,6 +73,8 @@ class AttentionBackend(ABC):
     """True when the backend reads the varlen form of the metadata."""
     accepts_written_kv: bool = False
     """True when the backend honours `AttentionMetadata.kv_written` (reads slots as slot_blocks/slot_offsets)."""
+    supports_fp8_kv: bool = False
+    """True when the backend writes and reads a float8_e4m3fn cache (with per-layer scales)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -79,8 +85,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
+                meta: AttentionMetadata, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]. kv_scales (k_scale, v_scale) apply only
+        to an fp8 cache."""
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:

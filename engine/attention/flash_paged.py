@@ -3,6 +3,8 @@
 vllm-flash-attn cannot be installed on our CPU machines (it pins torch 2.4 and
 needs CUDA), so this backend is imported only when `attention_backend="flash"`
 is configured on a GPU host. It consumes the same metadata as the torch backend.
+It does not read an fp8 KV cache (`supports_fp8_kv` is False: the engine refuses
+`--kv-cache-dtype fp8` with it); use the triton backend for that.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ class FlashPagedAttention(AttentionBackend):
             raise RuntimeError("attention_backend='flash' needs the vllm-flash-attn package and a CUDA GPU") from exc
         self._varlen = flash_attn_varlen_func
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):  # pragma: no cover
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0)):  # pragma: no cover
         k_cache[meta.slot_blocks, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
         cu_q, seq_lens, tables, max_q, max_k = _varlen_args(meta, q.device)

@@ -7,6 +7,10 @@ over their gathered, padded context; the query heads of one KV group act as the
 query rows, so grouped-query attention needs no K/V repetition. Prefill chunks
 are attended one sequence at a time; a chunk with no earlier context uses its
 own fresh K/V with a causal mask, without touching the cache.
+
+An fp8 cache is written quantized (index_put: CPU torch has no fp8 index_copy_);
+the C++ decode kernel reads it in place (times the scales), the gathered paths
+dequantize the blocks they gather to the compute dtype.
 """
 from __future__ import annotations
 
@@ -14,38 +18,46 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.attention import fp8_kv
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class TorchPagedAttention(AttentionBackend):
     accepts_written_kv = True
+    supports_fp8_kv = True
 
     def __init__(self, *args, use_cpu_kernel: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kernel = cpu_kernels.load() if use_cpu_kernel else None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0)):
         if not meta.kv_written:
-            k_cache[meta.slot_blocks, meta.slot_offsets] = k
-            v_cache[meta.slot_blocks, meta.slot_offsets] = v
+            fp8 = fp8_kv.is_fp8(k_cache)
+            k_cache[meta.slot_blocks, meta.slot_offsets] = fp8_kv.quantize(k, kv_scales[0]) if fp8 else k
+            v_cache[meta.slot_blocks, meta.slot_offsets] = fp8_kv.quantize(v, kv_scales[1]) if fp8 else v
         idx = meta.decode_token_indices
-        if not meta.prefills and idx is not None and self.kernel is not None and q.device.type == "cpu":
+        if not meta.prefills and idx is not None and self._use_kernel(q):
             # A decode-only step: its tokens are the decode tokens, in order; no gather or scatter.
             return self.kernel.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_seq_lens, self.scale)
+                                                      meta.decode_seq_lens, self.scale, *kv_scales)
         out = torch.empty_like(q)
         if idx is not None:
-            self._decode(q, k_cache, v_cache, meta, out)
+            self._decode(q, k_cache, v_cache, meta, out, kv_scales)
+        k_cache, v_cache = _readable(k_cache, kv_scales[0], q.dtype), _readable(v_cache, kv_scales[1], q.dtype)
         for span in meta.prefills:
             self._prefill(q, k, v, k_cache, v_cache, span, out)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, out) -> None:
+    def _use_kernel(self, q) -> bool:
+        return self.kernel is not None and q.device.type == "cpu"
+
+    def _decode(self, q, k_cache, v_cache, meta, out, kv_scales) -> None:
         idx = meta.decode_token_indices
-        if self.kernel is not None and q.device.type == "cpu":
+        if self._use_kernel(q):
             out[idx] = self.kernel.paged_decode_attention(q[idx], k_cache, v_cache, meta.decode_block_tables,
-                                                          meta.decode_seq_lens, self.scale)
+                                                          meta.decode_seq_lens, self.scale, *kv_scales)
             return
+        k_cache, v_cache = _readable(k_cache, kv_scales[0], q.dtype), _readable(v_cache, kv_scales[1], q.dtype)
         batch = idx.shape[0]
         group = self.num_heads // self.num_kv_heads
         tables = meta.decode_block_tables
@@ -86,7 +98,23 @@ def _decode_mask(meta: AttentionMetadata, width: int) -> torch.Tensor:
     return meta.extra["decode_mask"]
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[N, bs, H, D] cache, [B, nb] tables -> [B, nb * bs, H, D]."""
-    blocks = torch.index_select(cache, 0, tables.reshape(-1))
+class _Fp8View:
+    """An fp8 cache with its scale and compute dtype: what `_gather` needs to hand back real K/V."""
+
+    def __init__(self, cache: torch.Tensor, scale: float, dtype: torch.dtype) -> None:
+        self.cache, self.scale, self.dtype = cache, scale, dtype
+        self.shape = cache.shape
+
+
+def _readable(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor | _Fp8View:
+    """The cache as `_gather` takes it: an fp8 one together with its scale and the compute dtype."""
+    return _Fp8View(cache, scale, dtype) if fp8_kv.is_fp8(cache) else cache
+
+
+def _gather(cache: torch.Tensor | _Fp8View, tables: torch.Tensor) -> torch.Tensor:
+    """[N, bs, H, D] cache, [B, nb] tables -> [B, nb * bs, H, D] (dequantized from an fp8 cache)."""
+    if isinstance(cache, _Fp8View):
+        blocks = fp8_kv.dequantize(torch.index_select(cache.cache, 0, tables.reshape(-1)), cache.scale, cache.dtype)
+    else:
+        blocks = torch.index_select(cache, 0, tables.reshape(-1))
     return blocks.view(tables.shape[0], -1, cache.shape[2], cache.shape[3])

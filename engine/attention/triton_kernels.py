@@ -14,6 +14,11 @@ by tile straight from the pages named by the block table (no gather, no
 padding to the longest context), with causal masking by position and an
 online softmax in float32.
 
+An fp8 (float8_e4m3fn) cache is written as K / k_scale, V / v_scale saturated
+to ±448, and read widened to the query's dtype (exact: every e4m3 value is a
+bf16/fp16 value); k_scale is folded into the softmax scale and v_scale into
+the output.
+
 The same code runs on CPU under Triton's interpreter (TRITON_INTERPRET=1),
 which is how CI checks it against the torch reference.
 """
@@ -29,8 +34,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_k_t, stride_k_h, stride_v_t, stride_v_h,
                      stride_kc_blk, stride_kc_off, stride_kc_h,
                      stride_vc_blk, stride_vc_off, stride_vc_h,
-                     num_kv_heads, head_dim,
-                     PAGE: tl.constexpr, HEADS_P: tl.constexpr, DIM_P: tl.constexpr):
+                     num_kv_heads, head_dim, k_scale, v_scale,
+                     PAGE: tl.constexpr, HEADS_P: tl.constexpr, DIM_P: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # a negative slot is padding (CUDA-graph batches): nothing to write
@@ -41,13 +46,17 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         ok = (h < num_kv_heads) & (d < head_dim)
         k = tl.load(k_ptr + token * stride_k_t + h * stride_k_h + d, mask=ok)
         v = tl.load(v_ptr + token * stride_v_t + h * stride_v_h + d, mask=ok)
+        if FP8:  # e4m3fn has no infinity: saturate before the cast
+            k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -448.0), 448.0).to(k_cache_ptr.dtype.element_ty)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -448.0), 448.0).to(v_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + block * stride_kc_blk + offset * stride_kc_off + h * stride_kc_h + d, k, mask=ok)
         tl.store(v_cache_ptr + block * stride_vc_blk + offset * stride_vc_off + h * stride_vc_h + d, v, mask=ok)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k, v [T, Hkv, D] at slots (block * block_size + offset; < 0 skipped) of the paged cache."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store k, v [T, Hkv, D] at slots (block * block_size + offset; < 0 skipped) of the paged cache
+    (divided by k_scale / v_scale into an fp8 cache)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     _write_kv_kernel[(num_tokens,)](
@@ -55,9 +64,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_kv_heads, head_dim,
+        num_kv_heads, head_dim, k_scale, v_scale,
         PAGE=k_cache.shape[1], HEADS_P=triton.next_power_of_2(num_kv_heads),
-        DIM_P=max(16, triton.next_power_of_2(head_dim)))
+        DIM_P=max(16, triton.next_power_of_2(head_dim)), FP8=k_cache.dtype == torch.float8_e4m3fn)
 
 
 @triton.jit
@@ -77,12 +86,12 @@ def _find_sequence(cu_q_ptr, num_seqs, program, BLOCK_Q: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_seqs"])  # one compiled variant whatever the batch
 def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
-                            scale, num_seqs, head_dim,
+                            scale, v_scale, num_seqs, head_dim,
                             stride_q_t, stride_q_h, stride_o_t, stride_o_h,
                             stride_k_blk, stride_k_off, stride_k_h,
                             stride_v_blk, stride_v_off, stride_v_h, stride_bt,
                             GROUP: tl.constexpr, DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-                            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, F32: tl.constexpr):
+                            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(cu_q_ptr, num_seqs, program, BLOCK_Q)
@@ -116,6 +125,8 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
             offset = k_pos % PAGE
             k = tl.load(k_cache_ptr + block[None, :] * stride_k_blk + offset[None, :] * stride_k_off
                         + kv_head * stride_k_h + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            if FP8:
+                k = k.to(q.dtype)
             if F32:
                 s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
             else:
@@ -128,12 +139,16 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + block[:, None] * stride_v_blk + offset[:, None] * stride_v_off
                         + kv_head * stride_v_h + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            if FP8:
+                v = v.to(q.dtype)
             if F32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         acc = acc / l_i[:, None]
+        if FP8:
+            acc = acc * v_scale
         tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -151,8 +166,9 @@ def attention_launch_shape(num_tokens: int, num_seqs: int, group: int, max_query
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_q: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of q [T, Hq, D] (sequences packed by cu_q [S+1]) over the paged cache.
+                    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] (sequences packed by cu_q [S+1]) over the paged cache
+    (an fp8 one read times k_scale / v_scale).
 
     seq_lens [S]: context length of each sequence, this step's tokens included
     (their K/V already written). block_tables [S, W] int32. max_query_len only
@@ -169,7 +185,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     _paged_attention_kernel[(programs, num_kv_heads)](
         out, q, k_cache, v_cache, block_tables, seq_lens, cu_q,
-        scale, num_seqs, head_dim,
+        scale * k_scale, v_scale, num_seqs, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -177,5 +193,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         TILE=32 if block_m == 16 else 64, BLOCK_Q=block_q, BLOCK_M=block_m,
         # Float32 products for float32 models, and on CPU: Triton's interpreter computes
         # bf16/fp16 dots wrongly (triton 3.9; 16-bit inputs are widened first there, exactly).
-        F32=q.dtype == torch.float32 or q.device.type == "cpu")
+        F32=q.dtype == torch.float32 or q.device.type == "cpu", FP8=k_cache.dtype == torch.float8_e4m3fn)
     return out

@@ -3,7 +3,8 @@
 One launch writes the step's K/V into the cache by slot mapping, one launch
 attends all of the step's tokens; both per layer. On a GPU the kernels are
 compiled; without one they run under Triton's interpreter (set here before
-triton is first imported), which is slow but exact — for tests.
+triton is first imported), which is slow but exact — for tests; there it
+refuses an fp8 cache (see `supports_fp8_kv`).
 """
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ class TritonPagedAttention(AttentionBackend):
         except ImportError as exc:
             raise RuntimeError("attention_backend='triton' needs the triton package") from exc
         self._kernels = triton_kernels
+        # An fp8 cache on GPUs only: Triton's interpreter (triton 3.x) rounds float32 -> e4m3 wrongly where
+        # rounding up crosses a power of two (127.3 -> 64), so the KV write would be wrong on CPU.
+        self.supports_fp8_kv = torch.cuda.is_available()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        self._kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+        self._kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, *kv_scales)
         return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q,
-                                             meta.max_query_len, self.scale)
+                                             meta.max_query_len, self.scale, k_scale=kv_scales[0],
+                                             v_scale=kv_scales[1])

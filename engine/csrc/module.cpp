@@ -3,7 +3,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens, double scale);
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                     double k_scale, double v_scale);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
@@ -28,7 +29,10 @@ constexpr bool kAvx2 = false;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx512") = kAvx512;
   m.attr("avx2") = kAvx2;
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache (CPU); an fp8 cache is read times k_scale / v_scale",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual) * weight (in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] rows");

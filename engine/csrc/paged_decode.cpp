@@ -6,13 +6,17 @@
 // at a time (contiguous): no gather, no padding. Math in float32 whatever the
 // cache dtype. Parallel over sequences. bf16 caches take an AVX-512 path (below)
 // when the compiler targets it: parallel over (sequence, KV head), registers for
-// the group's queries and accumulators.
+// the group's queries and accumulators. An fp8 (float8_e4m3fn) cache takes the
+// portable path, widening each byte through a 256-entry table (exact), with the
+// layer's k_scale folded into the query and v_scale into the output.
 // ATen's tensor, dispatch and per-op headers only (not torch/extension.h): a quarter of the compile time.
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,6 +39,17 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   }
 }
 
+// fp8 e4m3fn -> float32 by table: 256 values, computed once with c10's exact conversion.
+template <>
+inline void load_row<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(i));
+    return t;
+  }();
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = table[bits[i]];
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -203,11 +218,12 @@ static bool decode_bf16_fast(const c10::BFloat16* q, const c10::BFloat16* k_cach
 }
 #endif
 
-template <typename T>
-static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+// T: the query's (and output's) type; C: the cache's (T, or fp8 scaled by k_scale / v_scale).
+template <typename T, typename C>
+static void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                           const int64_t* seq_lens, T* out, int64_t batch, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                          int64_t block_stride, int64_t table_width, float scale) {
+                          int64_t block_stride, int64_t table_width, float scale, float k_scale, float v_scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_width = num_kv_heads * head_dim;  // one token's K (or V), all KV heads
   const int64_t q_width = num_heads * head_dim;
@@ -217,7 +233,7 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
       const int64_t len = seq_lens[b];
       const int64_t* table = tables + b * table_width;
       load_row(q + b * q_width, qf.data(), q_width);
-      for (auto& x : qf) x *= scale;
+      for (auto& x : qf) x *= scale * k_scale;
       scores.resize(num_heads * len);
       // Pass 1: scores[h][t] = q_h . k_t, reading each token's keys (all heads) contiguously.
       for (int64_t t = 0; t < len; ++t) {
@@ -252,27 +268,32 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
           for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * vh[d];
         }
       }
-      for (int64_t i = 0; i < q_width; ++i) out[b * q_width + i] = static_cast<T>(acc[i]);
+      for (int64_t i = 0; i < q_width; ++i) out[b * q_width + i] = static_cast<T>(acc[i] * v_scale);
     }
   });
 }
 
 // q: [B, Hq, D] contiguous; k_cache, v_cache: [N, block_size, Hkv, D] with contiguous
-// blocks (any stride between blocks); block_tables: [B, W] int64; seq_lens: [B] int64.
+// blocks (any stride between blocks), q's dtype or float8_e4m3fn (then read times k_scale / v_scale);
+// block_tables: [B, W] int64; seq_lens: [B] int64.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                     double k_scale, double v_scale) {
   TORCH_CHECK(q.is_contiguous() && q.dim() == 3, "q must be contiguous [B, Hq, D]");
   TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "k/v caches must share the block stride");
   TORCH_CHECK(k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) && k_cache.stride(3) == 1,
               "each cache block must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (fp8 || k_cache.scalar_type() == q.scalar_type()),
+              "the caches must be of q's dtype or float8_e4m3fn");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
 #if defined(__AVX512F__)
-  if (q.scalar_type() == at::kBFloat16 &&
+  if (!fp8 && q.scalar_type() == at::kBFloat16 &&
       decode_bf16_fast(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
                        v_cache.data_ptr<c10::BFloat16>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                        out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, bs, k_cache.stride(0), tables.size(1),
@@ -281,9 +302,18 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                            B, Hq, Hkv, D, bs, k_cache.stride(0), tables.size(1), static_cast<float>(scale));
+    if (fp8) {
+      using C = c10::Float8_e4m3fn;
+      decode_kernel<scalar_t, C>(q.data_ptr<scalar_t>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+                                 tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B,
+                                 Hq, Hkv, D, bs, k_cache.stride(0), tables.size(1), static_cast<float>(scale),
+                                 static_cast<float>(k_scale), static_cast<float>(v_scale));
+    } else {
+      decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                        v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                                        lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D, bs,
+                                        k_cache.stride(0), tables.size(1), static_cast<float>(scale), 1.f, 1.f);
+    }
   });
   return out;
 }

@@ -56,6 +56,8 @@ class LlamaModel:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.fused: FusedOps | None = load_fused_ops(embed.device, embed.dtype)
         """The fused CPU kernels, or None (CUDA, other dtypes, PDSERVE_FUSED=0): the unfused torch ops."""
+        self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * config.num_layers
+        """(k_scale, v_scale) per layer; read only with an fp8 KV cache (set by the model runner)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -81,7 +83,7 @@ class LlamaModel:
             qk = self.rotary.apply(qk.view(num_tokens, -1, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+            attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.kv_scales[i])
             x = x + w.o_proj(attn.reshape(num_tokens, self.q_size))
             h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
             gate, up = w.gate_up(h).chunk(2, dim=-1)
@@ -97,8 +99,9 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         if positions.dtype != torch.long:
             positions = positions.long()
-        # The backend lets RoPE write K/V into the cache (no index_put per layer) when it reads slots that way.
-        write_kv = self.attention.accepts_written_kv and meta.slot_blocks is not None
+        # The backend lets RoPE write K/V into the cache (no index_put per layer) when it reads slots that way;
+        # an fp8 cache is written by the backend, which quantizes.
+        write_kv = self.attention.accepts_written_kv and meta.slot_blocks is not None and kv_cache.dtype == self.dtype
         meta.kv_written = write_kv
         residual = F.embedding(input_ids, self.embed)
         h = ops.rms_norm(residual, self.layers[0].input_norm, eps)
@@ -114,7 +117,7 @@ class LlamaModel:
             q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.kv_scales[i])
             h = ops.add_rms_norm_(w.o_proj(attn.reshape(num_tokens, self.q_size)), residual, w.post_norm, eps)
             down = w.down(ops.silu_and_mul(w.gate_up(h)))
             if i + 1 < len(self.layers):

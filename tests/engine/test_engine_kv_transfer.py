@@ -5,6 +5,7 @@ tests/kv_transfer); this checks the contract between them: block-major KV
 tensor, block ids from the block manager, only missing blocks pulled.
 """
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
@@ -101,3 +102,49 @@ def test_recompute_prompt_continues_a_seeded_sample_without_the_kv(smollm2_dir):
             tokens += d.token_ids
     assert tokens == expected
     assert engine.num_kv_blocks_used == 0
+
+
+def test_fp8_blocks_transfer_and_refuse_a_bf16_peer(smollm2_dir):
+    """fp8 prefill -> fp8 decode continues as one fp8 engine would, moving half of bf16's bytes per block;
+    an fp8 sender and a bf16 receiver refuse each other, naming the dtype."""
+    fp8_config = EngineConfig(model=str(smollm2_dir), cache=CacheConfig(kv_cache_memory_bytes=16 << 20,
+                                                                        kv_cache_dtype="fp8"))
+    prefill, decode = LLMEngine(fp8_config), LLMEngine(fp8_config)
+    prompt = prefill.tokenizer.apply_chat_template([{"role": "user", "content": "Name the largest ocean on Earth."}])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = prefill.generate([prompt], params)[0].completions[0].token_ids
+    prefill.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=2))
+    first_token = prefill.step()[0].token_ids[0]
+    src_table = list(prefill.kv.block_table("p"))
+    dst_table, num_local = decode.reserve_kv("d", prompt)
+    assert num_local == 0
+
+    layout = KVLayout.of_kv_cache(prefill.runner.kv_cache, "SmolLM2", prefill.runner.kv_scales)
+    assert layout == KVLayout.of_kv_cache(decode.runner.kv_cache, "SmolLM2", decode.runner.kv_scales)
+    bf16 = KVLayout(**{**layout.to_dict(), "dtype": "bfloat16", "kv_scales": ""})
+    assert 2 * layout.block_nbytes == bf16.block_nbytes
+    cfg = KVTransferConfig(backend="tcp", host="127.0.0.1")
+    bf16_pool = torch.zeros(bf16.shape(4), dtype=torch.bfloat16)
+    with make_sender(prefill.runner.kv_cache, layout, cfg) as sender:
+        with make_receiver(bf16_pool, bf16, cfg) as refusing:
+            lease = sender.expect("x", src_table[:1], timeout_s=30)
+            refused = refusing.read(sender.peer_info(), "x", src_table[:1], [0], timeout_s=30,
+                                    capability=lease.capability)
+            assert refused.wait(30) == TransferState.FAILED
+            assert "differs in: dtype, kv_scales" in refused.error, refused.error
+        with make_receiver(decode.runner.kv_cache, layout, cfg) as receiver:
+            lease = sender.expect("p", src_table, timeout_s=30)
+            pull = receiver.read(sender.peer_info(), "p", src_table, dst_table, timeout_s=30,
+                                 capability=lease.capability)
+            assert pull.wait(30) == TransferState.DONE
+            assert pull.bytes_moved == len(src_table) * bf16.block_nbytes // 2
+    prefill.abort_request("p")
+    prefill.step()
+
+    decode.add_request("d", prompt, params, first_token_id=first_token)
+    tokens = [first_token]
+    while decode.has_unfinished():
+        tokens += [t for d in decode.step() for t in d.token_ids]
+    assert tokens == expected
+    for engine in (prefill, decode):
+        assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()

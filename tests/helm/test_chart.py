@@ -283,6 +283,7 @@ BAD_VALUES = [
     ("decode.port=70000", "at '/decode/port': maximum: got 70,000, want 65,535"),
     ("router.replicass=2", "additional properties 'replicass' not allowed"),
     ("model.quantization=int4", "at '/model/quantization': value must be one of"),
+    ("model.kvCacheDtype=int8", "at '/model/kvCacheDtype': value must be one of 'auto', 'fp8', 'fp8_e4m3'"),
 ]
 
 
@@ -303,6 +304,13 @@ def test_weight_quantization_reaches_every_worker_and_only_when_set():
     assert len(quantized) == 2, "prefill and decode workers"
     assert all(args[args.index("--quantization") + 1] == "int8" for args in quantized)
     assert all("--quantization" not in args for args in engine_args(objects(template())))
+
+
+def test_kv_cache_dtype_reaches_every_engine_only_when_set(rendered):
+    assert "--kv-cache-dtype" not in "".join(rendered.values())
+    fp8 = template("--set", "model.kvCacheDtype=fp8")
+    assert fp8.count("- --kv-cache-dtype\n") == fp8.count("- --kv-cache-memory-gib\n") > 0
+    assert "- --kv-cache-dtype\n            - fp8\n" in fp8
 
 
 def test_external_redis_url_with_a_password_is_refused():

@@ -57,7 +57,8 @@ def test_layout_hash_covers_every_field():
     base = LAYOUT.compat_hash()
     assert base == KVLayout(dtype="float32", **SMOLLM2).compat_hash()
     for field, value in [("model_id", "other"), ("dtype", "bfloat16"), ("block_size", 32),
-                         ("num_layers", 29), ("num_kv_heads", 2), ("head_dim", 128), ("device", "cuda")]:
+                         ("num_layers", 29), ("num_kv_heads", 2), ("head_dim", 128), ("device", "cuda"),
+                         ("kv_scales", "0123456789abcdef")]:
         other = KVLayout(**{**LAYOUT.to_dict(), field: value})
         assert other.compat_hash() != base, field
         assert field in LAYOUT.describe_mismatch(other)
@@ -76,6 +77,17 @@ def test_layout_of_engine_kv_cache():
     assert layout.device == "cpu"
     with pytest.raises(ValueError):
         KVLayout.of_kv_cache(torch.zeros((5, 30, 16, 3, 64)), "m")
+
+
+def test_fp8_layout_has_half_of_bf16_bytes_and_its_scales():
+    torch = pytest.importorskip("torch")
+    kv = torch.zeros((5, 30, 2, 16, 3, 64), dtype=torch.float8_e4m3fn)
+    ones, halves = [(1.0, 1.0)] * 30, [(0.5, 1.0)] * 30
+    fp8 = KVLayout.of_kv_cache(kv, "m", ones)
+    assert fp8.dtype == "float8_e4m3fn" and fp8.kv_scales
+    assert 2 * fp8.block_nbytes == KVLayout(**{**fp8.to_dict(), "dtype": "bfloat16"}).block_nbytes
+    assert fp8 == KVLayout.of_kv_cache(kv, "m", list(ones))  # the digest is of the values
+    assert fp8.mismatched_fields(KVLayout.of_kv_cache(kv, "m", halves)) == ["kv_scales"]
 
 
 def test_transfer_moves_forward_only():

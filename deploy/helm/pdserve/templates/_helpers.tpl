@@ -235,6 +235,10 @@ default
 - {{ .Values.model.blockSize | quote }}
 - --kv-cache-memory-gib
 - {{ .Values.model.kvCacheMemoryGiB | quote }}
+{{- if ne (.Values.model.kvCacheDtype | default "auto") "auto" }}
+- --kv-cache-dtype
+- {{ .Values.model.kvCacheDtype }}
+{{- end }}
 {{- with .Values.model.maxModelLen }}
 - --max-model-len
 - {{ . | quote }}
