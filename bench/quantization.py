@@ -69,6 +69,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-gib", type=float, default=1.0)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="KV cache of the throughput runs")
     ap.add_argument("--rounds", type=int, default=2, help="throughput rounds, interleaved over the formats")
     ap.add_argument("--output", default=str(ROOT / "bench" / "results" / "quantization.json"))
     args = ap.parse_args()
