@@ -1,6 +1,6 @@
 """Weight quantization (int8, fp8) against the unquantized model, in one run (issue 17).
 
-For each --dtype and each weight format (none, int8, fp8):
+For each --dtypes and each --weights format (none, int8, fp8), with each --kv-cache-dtypes:
   accuracy    a stretch of English (this repo's README and architecture notes) scored position by
               position (teacher-forced, --positions tokens): top-1 next-token agreement with the
               unquantized bf16 model, and perplexity;
@@ -8,6 +8,7 @@ For each --dtype and each weight format (none, int8, fp8):
   throughput  the offline workload of bench/offline_throughput.py (greedy, ignore_eos), output tok/s.
 
   .venv/bin/python bench/quantization.py --dtypes float32 bfloat16 --rounds 2
+  .venv/bin/python bench/quantization.py --dtypes bfloat16 --weights none --kv-cache-dtypes auto fp8
 """
 from __future__ import annotations
 
@@ -29,8 +30,6 @@ from engine.model.model_config import ModelConfig  # noqa: E402
 from engine.model_files import resolve_model_path  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
-
-FORMATS = (None, "int8", "fp8")
 
 
 def text_ids(tokenizer: Tokenizer, positions: int) -> torch.Tensor:
@@ -69,7 +68,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-gib", type=float, default=1.0)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="KV cache of the throughput runs")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                    help="KV caches of the throughput runs (each a row of its own)")
+    ap.add_argument("--weights", nargs="+", default=["none", "int8", "fp8"], choices=["none", "int8", "fp8"])
     ap.add_argument("--rounds", type=int, default=2, help="throughput rounds, interleaved over the formats")
     ap.add_argument("--output", default=str(ROOT / "bench" / "results" / "quantization.json"))
     args = ap.parse_args()
@@ -80,20 +81,23 @@ def main() -> int:
     work = make_workload(tokenizer, args.num_requests, args.seed, args.prompt_len, args.output_len)
     rows = []
     for dtype in args.dtypes:
-        for quantization in FORMATS:
+        for weights in args.weights:
+            quantization = None if weights == "none" else weights
             scored = score(model_dir, dtype, quantization, ids)
             agreement = float((scored.pop("logits").argmax(-1) == reference).float().mean())
-            rows.append({"dtype": dtype, "weights": quantization or "none", "top1_agreement_vs_bf16": agreement,
-                         **scored, "runs": []})
+            rows += [{"dtype": dtype, "weights": weights, "kv_cache_dtype": kv, "top1_agreement_vs_bf16": agreement,
+                      **scored, "runs": []} for kv in args.kv_cache_dtypes]
     for _ in range(args.rounds):  # throughput A/B interleaved: every format sees the same machine
         for r in rows:
+            args.kv_cache_dtype = r["kv_cache_dtype"]
             r["runs"].append(run_pdserve(model_dir, r["dtype"], work, args,
                                          quantization=None if r["weights"] == "none" else r["weights"]))
     for r in rows:
         best = min(r["runs"], key=lambda run: run["elapsed_s"])
         r["output_tok_s"] = best["output_tokens"] / best["elapsed_s"]
         r["rounds_output_tok_s"] = [run["output_tokens"] / run["elapsed_s"] for run in r["runs"]]
-        print(f"{r['dtype']:<9} {r['weights']:<5} agree {r['top1_agreement_vs_bf16']:6.4f}  "
+        print(f"{r['dtype']:<9} {r['weights']:<5} kv {r['kv_cache_dtype']:<5} "
+              f"agree {r['top1_agreement_vs_bf16']:6.4f}  "
               f"ppl {r['perplexity']:7.3f}  linears {r['linear_mib']:6.1f} MiB  weights {r['weights_mib']:6.1f} MiB  "
               f"{r['output_tok_s']:7.1f} out tok/s (best of {args.rounds})", flush=True)
     cpu = torch.backends.cpu.get_cpu_capability()
