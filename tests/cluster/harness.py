@@ -23,11 +23,13 @@ def start_worker(role: str, *extra: str) -> Proc:
     return start(f"{role}-worker", [f"{role}-worker", *WORKER_FLAGS, *extra])
 
 
-def start_workers(roles: list[str], *extra: str) -> list[Proc]:
-    """Several workers started side by side (each loads the model; ~7 s apiece one after another).
-    If one fails to start, those that did are stopped before the error is raised."""
-    with ThreadPoolExecutor(len(roles)) as pool:
-        futures = [pool.submit(start_worker, role, *extra) for role in roles]
+def start_workers(roles: list[str | list[str]], *extra: str) -> list[Proc]:
+    """Several workers started side by side (each loads the model; ~7 s apiece one after another): each
+    entry a role, or a role and its own flags; `extra` goes to all. If one fails to start, those that
+    did are stopped before the error is raised."""
+    specs = [[role] if isinstance(role, str) else role for role in roles]
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(start_worker, spec[0], *spec[1:], *extra) for spec in specs]
     failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:
         stop_all(f.result() for f in futures if f.exception() is None)

@@ -7,18 +7,18 @@ import json
 from pdserve.chaos.processes import stop_all
 from pdserve.grpc_common import insecure_channel
 from pdserve.protocol import generate_pb2, generate_pb2_grpc
-from tests.cluster.harness import assert_no_leaks, start_router, start_worker, worker_stats
+from tests.cluster.harness import assert_no_leaks, start_router, start_workers, worker_stats
 from tests.cluster.test_cluster_outputs import read_results, run_cli
 
+MAX_TOKENS = 40
 PROMPTS = [f"Story {i}: once upon a time there was a little robot who wanted to learn about {topic}."
            for i, topic in enumerate(["the sea", "stars", "music", "trees", "cities", "rain", "bridges", "snow"])]
 
 
 def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, smollm2_dir):
-    prefill = start_worker("prefill")
-    # ~13 blocks of 16 tokens: room for about two of these requests at their full length; requests
+    # ~13 blocks of 16 tokens: room for about three of these requests at their full length; requests
     # that find no blocks for their pull within 1 s recompute their prompt here instead
-    decode = start_worker("decode", "--kv-cache-memory-gib", "0.009", "--pull-timeout-s", "1")
+    prefill, decode = start_workers(["prefill", ["decode", "--kv-cache-memory-gib", "0.009", "--pull-timeout-s", "1"]])
     # Remote prefill even for these ~20-token prompts (by default the decode worker would prefill them itself).
     router = start_router([prefill], [decode], "--skip-prefill-tokens", "0")
     try:
@@ -30,7 +30,7 @@ def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, sm
                     tokens = []
                     async for msg in stub.Generate(generate_pb2.GenerateRequest(
                             request_id=str(i), text=text, params=generate_pb2.SamplingParams(
-                                temperature=0, max_tokens=60, ignore_eos=True)), timeout=600):
+                                temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=600):
                         if msg.HasField("chunk"):
                             tokens.extend(msg.chunk.token_ids)
                     return tokens
@@ -40,7 +40,7 @@ def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, sm
         stats = worker_stats(decode.address)
         assert stats.num_preemptions > 0, "the test must exercise preemption"
         assert stats.num_kv_recomputed > 0, "and the fallback of recomputing a prompt whose KV found no room"
-        lines = [{"id": str(i), "prompt": p, "temperature": 0, "max_tokens": 60, "ignore_eos": True}
+        lines = [{"id": str(i), "prompt": p, "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
                  for i, p in enumerate(PROMPTS)]
         (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         done = run_cli(["generate", "--offline", "--model", "default", "--dtype", "float32",
