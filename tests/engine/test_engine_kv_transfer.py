@@ -39,16 +39,7 @@ def test_prefill_transfer_decode_equals_one_engine(smollm2_dir, backend):
         assert pull.wait(30) == TransferState.DONE
         assert lease.wait(10) == TransferState.DONE  # the prefill side may now free
         assert pull.bytes_moved == (len(src_table) - num_local) * layout.block_nbytes
-    prefill.abort_request("p")
-    prefill.step()
-
-    decode.add_request("d", prompt, params, first_token_id=first_token)
-    tokens = [first_token]
-    while decode.has_unfinished():
-        tokens += [t for d in decode.step() for t in d.token_ids]
-    assert tokens == expected
-    for engine in (prefill, decode):
-        assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
+    finish_on_decode(prefill, decode, prompt, params, first_token, expected)
 
 
 def test_prefill_only_keeps_blocks_until_released(smollm2_dir):
@@ -138,9 +129,14 @@ def test_fp8_blocks_transfer_and_refuse_a_bf16_peer(smollm2_dir):
                                  capability=lease.capability)
             assert pull.wait(30) == TransferState.DONE
             assert pull.bytes_moved == len(src_table) * bf16.block_nbytes // 2
+    finish_on_decode(prefill, decode, prompt, params, first_token, expected)
+
+
+def finish_on_decode(prefill, decode, prompt, params, first_token, expected) -> None:
+    """The prefill engine lets its request go; the decode engine continues from the pulled KV and must
+    produce `expected`; neither keeps a block or a request afterwards."""
     prefill.abort_request("p")
     prefill.step()
-
     decode.add_request("d", prompt, params, first_token_id=first_token)
     tokens = [first_token]
     while decode.has_unfinished():
