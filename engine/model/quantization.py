@@ -10,14 +10,14 @@ rounding to the one step here.
 Checkpoints already in fp8 use the format vLLM's `fp8` method and llm-compressor write:
 config.json `"quantization_config": {"quant_method": "fp8", ...}`; each linear's `weight` stored as
 float8_e4m3fn beside a float32 `weight_scale`, one per tensor (shape [] or [1]) or one per output
-channel ([N] or [N, 1]). `save_fp8_checkpoint` writes that format (per channel).
+channel ([N] or [N, 1]). `save_fp8_checkpoint` writes that format (per tensor, as vLLM reads it).
 """
 from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from engine.attention.fp8_kv import FP8_DTYPE, FP8_MAX  # one definition for weights and the KV cache
+
 INT8_MAX = 127.0
 
 
