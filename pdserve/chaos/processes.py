@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-READY = re.compile(r"ready: .*? at (\S+)")
+READY = re.compile(r"^ready: .*? at (\S+)")  # at the line start: a traceback may quote the print
 OUTPUT_LINES_KEPT = 2000
 
 
@@ -50,7 +50,7 @@ class ManagedProcess:
                 log.flush()
             self.output.append(line)
             del self.output[:-OUTPUT_LINES_KEPT]
-            match = READY.search(line)
+            match = READY.match(line)
             if match and not found.is_set():
                 self.address = match.group(1)
                 found.set()
