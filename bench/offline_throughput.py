@@ -68,6 +68,8 @@ VARIANTS = {  # name -> environment the engine is built under
     "fused": {"PDSERVE_FUSED": "1", "PDSERVE_BF16_UPCAST": "1"},
     "unfused": {"PDSERVE_FUSED": "0", "PDSERVE_BF16_UPCAST": "1"},  # torch elementwise ops
     "baseline": {"PDSERVE_FUSED": "0", "PDSERVE_BF16_UPCAST": "0"},  # and bf16 GEMMs as before #22
+    "packed": {"PDSERVE_PACKED_LINEAR": "1"},  # oneDNN-prepacked weights (float32 too)
+    "unpacked": {"PDSERVE_PACKED_LINEAR": "0"},  # F.linear on plain weights (MKL for float32)
 }
 
 

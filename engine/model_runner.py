@@ -12,6 +12,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model.kv_scales import load_kv_scales
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.model_config import ModelConfig
+from engine.paged_inputs import PagedInputBuilder
 from engine.scheduler import SchedulerOutput
 from engine.varlen_inputs import VarlenInputBuilder
 
@@ -33,6 +34,7 @@ class ModelRunner:
         self.model = load_model(model_path, model_config, self.dtype, self.device,
                                 config.attention_backend, max_model_len, config.quantization)
         self.varlen = VarlenInputBuilder(self.block_size, self.device) if self.model.attention.varlen else None
+        self.paged = None if self.varlen is not None else PagedInputBuilder(self.block_size, self.device)
         self.kv_dtype = self._kv_dtype(model_path, model_config)
         block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_dtype)
         self.num_blocks = config.cache.num_blocks or max(1, self._kv_cache_bytes(model_config) // block_bytes)
@@ -129,51 +131,5 @@ class ModelRunner:
                 self.num_graph_steps += 1
                 return self.graphs.run(step)
             return self.model.forward(step.input_ids, step.positions, self.kv_cache, step.meta, step.logits_indices)
-        input_ids, positions, meta, logits_indices = self._prepare(out, kv)
-        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
-
-    def _prepare(self, out: SchedulerOutput, kv: KVCacheManager):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        logits_indices: list[int] = []
-        decode_idx: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
-        for item in out.scheduled:
-            req = item.request
-            start = req.num_computed_tokens
-            end = start + item.num_new_tokens
-            table = kv.block_table(req.request_id)
-            token_start = len(input_ids)
-            input_ids.extend(item.input_token_ids())
-            pos = range(start, end)
-            positions.extend(pos)
-            slot_blocks.extend(table[p // bs] for p in pos)
-            slot_offsets.extend(p % bs for p in pos)
-            num_table = -(-end // bs)
-            if item.num_new_tokens == 1:
-                decode_idx.append(token_start)
-                decode_tables.append(table[:num_table])
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillSpan(token_start, len(input_ids), start,
-                                            torch.tensor(table[:num_table], device=self.device)))
-            logits_indices.extend(range(len(input_ids) - item.num_logits, len(input_ids)))
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, device=dev),
-            slot_offsets=torch.tensor(slot_offsets, device=dev),
-            prefills=prefills)
-        if decode_idx:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_token_indices = torch.tensor(decode_idx, device=dev)
-            meta.decode_block_tables = torch.tensor(padded, device=dev)
-            meta.decode_seq_lens = torch.tensor(decode_lens, device=dev)
-        return (torch.tensor(input_ids, device=dev, dtype=torch.long),
-                torch.tensor(positions, device=dev, dtype=torch.long), meta,
-                torch.tensor(logits_indices, device=dev, dtype=torch.long))
+        step = self.paged.build(out, kv)
+        return self.model.forward(step.input_ids, step.positions, self.kv_cache, step.meta, step.logits_indices)

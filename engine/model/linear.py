@@ -1,20 +1,20 @@
 """y = x @ W^T + b, with W prepacked for oneDNN when that is faster.
 
-On CPU, torch's bf16 `F.linear` hands oneDNN a plain row-major weight, which
-oneDNN re-lays out on every call; at decode batch sizes that costs more than
-the multiply. Packing once at load time (what torch.compile's CPU freezing
-does) makes every bf16 linear 1.3-3x faster here. float32 keeps `F.linear`
-(MKL sgemm already streams at memory bandwidth, and its numerics are the ones
-the Hugging Face equivalence tests pin). CUDA keeps `F.linear`. If packing is
-unavailable (oneDNN runs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT,
-so not on AVX2-only ones) or its probe disagrees with `F.linear`, the plain path is used.
-PDSERVE_PACKED_LINEAR=0 turns packing off.
+On CPU, torch's `F.linear` hands oneDNN (bf16) or MKL (float32) a plain row-major
+weight, re-laid out or blocked on every call; at decode batch sizes that costs more
+than the multiply. Packing once at load time (what torch.compile's CPU freezing and
+vLLM's CPU engine do) makes bf16 linears 1.3-3x faster, and float32 ones 1.5-6x at
+2-64 rows on an AVX2 EPYC (`bench/linear_shapes.py`; about equal at 256-2,048 rows).
+Packed results differ from `F.linear` by summation order only (float32: ~1e-6).
+CUDA keeps `F.linear`. If packing is unavailable (oneDNN runs bf16 only on CPUs with
+AVX-512 BW/VL/DQ or AVX-NE-CONVERT, so not on AVX2-only ones) or its probe disagrees
+with `F.linear`, the plain path is used. PDSERVE_PACKED_LINEAR=0 turns packing off.
 
 On a CPU where oneDNN has no bf16 GEMM (AVX2-only: `_is_mkldnn_bf16_supported()`
-is False), torch's bf16 `F.linear` runs at ~2 GFLOP/s against ~15-20 for float32
-here, 6-9x slower. There a bf16 weight is kept as its (exact) float32 copy and
-the multiply runs in float32: x widened exactly, the product rounded to bf16 once,
-which is what a bf16 GEMM with float32 accumulation computes (up to summation
+is False), torch's bf16 `F.linear` runs at ~2 GFLOP/s against ~15-60 for float32
+here. There a bf16 weight is kept as its (exact) float32 copy, packed like any float32
+weight, and the multiply runs in float32: x widened exactly, the product rounded to bf16
+once, which is what a bf16 GEMM with float32 accumulation computes (up to summation
 order). Twice the weight memory, for those CPUs only. PDSERVE_BF16_UPCAST=0 turns it off.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
-_PACKED_DTYPES = (torch.bfloat16,)
+_PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class Linear:
@@ -39,7 +39,7 @@ class Linear:
             bias = None if bias is None else bias.float()
         self.bias = bias
         self.weight_dtype = weight.dtype
-        self.packed = None if self.upcast else _pack(weight, bias)
+        self.packed = _pack(weight, bias)
         self.weight = None if self.packed is not None else weight
         """The plain weight, kept only when it is what runs (the packed copy replaces it)."""
 
@@ -50,10 +50,13 @@ class Linear:
         return self.out_features * self.in_features * itemsize
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast:
+            return self._multiply(x.float()).to(x.dtype)
+        return self._multiply(x)
+
+    def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.upcast:
-            return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 

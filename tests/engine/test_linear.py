@@ -49,8 +49,7 @@ def test_bf16_linear_is_packed_where_onednn_runs_bf16_and_matches_f_linear(with_
         assert linear.packed is not None, "this CPU runs oneDNN bf16, so bf16 weights are packed"
         assert linear.weight is None  # the packed copy replaces the plain one
     else:
-        assert linear.packed is None, "this CPU cannot run oneDNN bf16, so the float32 path is used"
-        assert linear.upcast and torch.equal(linear.weight, weight.float())
+        assert linear.upcast, "this CPU cannot run oneDNN bf16, so the (packed) float32 path is used"
     assert_matches_f_linear(linear, weight, bias)
 
 
@@ -61,11 +60,14 @@ def test_bf16_linear_multiplies_in_float32_where_onednn_has_no_bf16_gemm(with_bi
     monkeypatch.setattr("engine.model.linear.bf16_gemm_supported", lambda: False)
     weight, bias = bf16_case(with_bias)
     linear = Linear(weight, bias)
-    assert linear.upcast and linear.packed is None and linear.weight.dtype == torch.float32
+    assert linear.upcast and linear.weight_dtype == torch.float32
+    monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")  # unpacked: exactly F.linear in float32, rounded once
+    plain = Linear(weight, bias)
     for rows in ROWS:
         x = torch.randn(rows, 192).to(torch.bfloat16)
         want = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
-        assert torch.equal(linear(x), want)
+        assert torch.equal(plain(x), want)
+    monkeypatch.delenv("PDSERVE_PACKED_LINEAR")
     assert_matches_f_linear(linear, weight, bias)
     monkeypatch.setenv("PDSERVE_BF16_UPCAST", "0")
     assert not Linear(weight, bias).upcast
@@ -123,12 +125,21 @@ def test_cpu_without_onednn_bf16_uses_the_plain_path():
     assert done.returncode == 0 and "plain path ok" in done.stdout, done.stderr
 
 
-def test_float32_keeps_f_linear_exactly():
-    weight = torch.randn(64, 32)
-    linear = Linear(weight)
-    assert linear.packed is None
-    x = torch.randn(5, 32)
-    assert torch.equal(linear(x), F.linear(x, weight))
+def test_float32_is_packed_and_matches_f_linear(monkeypatch):
+    """float32 weights are packed where oneDNN is built in (MKL re-blocks a plain weight every call), and
+    the packed multiply differs from F.linear by summation order only, at every batch size."""
+    monkeypatch.delenv("PDSERVE_PACKED_LINEAR", raising=False)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(320, 192), torch.randn(320)
+    linear = Linear(weight, bias)
+    assert (linear.packed is not None) == torch.backends.mkldnn.is_available()
+    for rows in ROWS:
+        x = torch.randn(rows, 192)
+        torch.testing.assert_close(linear(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
+    plain = Linear(weight, bias)
+    x = torch.randn(5, 192)
+    assert plain.packed is None and torch.equal(plain(x), F.linear(x, weight, bias))
 
 
 def test_packing_can_be_turned_off(monkeypatch):
