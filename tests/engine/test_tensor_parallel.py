@@ -98,13 +98,14 @@ def tiny_prompts():
     return prompts + [prompts[0][:40] + [9] * 30, [7]]
 
 
-def generate(model_dir, prompts, tp, **overrides):
+def generate(model_dir, prompts, tp, params=GREEDY, **overrides):
+    """Every completion's tokens (n of them per prompt), from an engine with `tp` ranks."""
     config = EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=tp,
                           scheduler=overrides.pop("scheduler", SchedulerConfig()),
                           cache=overrides.pop("cache", CacheConfig(num_blocks=512)))
     engine = LLMEngine(config)
     try:
-        tokens = [o.completions[0].token_ids for o in engine.generate(prompts, GREEDY)]
+        tokens = [[c.token_ids for c in o.completions] for o in engine.generate(prompts, params)]
         assert not engine.has_unfinished() and engine.kv.pool.num_used_blocks == 0
         return engine, tokens
     finally:
@@ -121,8 +122,13 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_two_ranks_equal_one_on_tiny_qwen2(tiny_qwen2_dir, variant):
     prompts = tiny_prompts()
-    one, expected = generate(tiny_qwen2_dir, prompts, 1, **dict(VARIANTS[variant]))
-    two, got = generate(tiny_qwen2_dir, prompts, 2, **dict(VARIANTS[variant]))
+    # Two prompts fork into 3 samples after their prompt: copy-on-write of the shared partial block,
+    # which every rank must apply to its own cache.
+    forks = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
+    params = [GREEDY] * (len(prompts) - 2) + [forks] * 2
+    one, expected = generate(tiny_qwen2_dir, prompts, 1, params, **dict(VARIANTS[variant]))
+    two, got = generate(tiny_qwen2_dir, prompts, 2, params, **dict(VARIANTS[variant]))
+    assert [len(c) for c in got] == [1] * (len(prompts) - 2) + [3, 3]
     assert two.runner.model.config.num_kv_heads == 1 and two.runner.kv_cache.shape[4] == 1  # its KV heads only
     assert two.runner.model.embed.shape[0] == 49152 // 2
     if variant == "preempt":
