@@ -204,3 +204,20 @@ def test_workers_refuse_tensor_parallelism():
     from worker_runtime.config import WorkerConfig
     with pytest.raises(ValueError, match="not supported in prefill/decode workers"):
         WorkerConfig(role="decode", engine=EngineConfig(tensor_parallel_size=2))
+
+
+def test_fp8_checkpoint_shards_equal_one_rank(tiny_qwen2_dir, tmp_path):
+    """An fp8 checkpoint's weights and scales are sliced as stored: every rank dequantizes exactly its
+    part of one rank's weights, so the logits agree up to summation order."""
+    from engine.model.fp8_checkpoint import save_fp8_checkpoint
+    path = save_fp8_checkpoint(tiny_qwen2_dir, tmp_path / "fp8")
+    prompt = torch.tensor(tiny_prompts()[2][:40])
+    logits = []
+    for tp in (1, 2):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=tp,
+                                        cache=CacheConfig(num_blocks=8)))
+        try:
+            logits.append(engine.runner.forward_prompt(prompt, torch.arange(prompt.shape[0])).float())
+        finally:
+            engine.shutdown()
+    assert torch.allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4 * float(logits[0].abs().max()))
