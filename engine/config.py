@@ -34,7 +34,8 @@ class CacheConfig:
     """Tokens per KV block."""
     kv_cache_memory_bytes: int | None = None
     """Memory budget for the KV cache; the number of blocks is derived from it. None: on CUDA, what
-    gpu_memory_utilization leaves after weights and the activation peak; on CPU, 2 GiB."""
+    gpu_memory_utilization leaves after weights and the activation peak; on CPU, 2 GiB. With tensor
+    parallelism, per rank (a rank's block holds only its KV heads, so N ranks hold N times the tokens)."""
     gpu_memory_utilization: float = 0.9
     """CUDA: the fraction of the device's memory this engine may use in all (weights, activations, KV)."""
     num_blocks: int | None = None

@@ -5,7 +5,13 @@ compare greedy tokens with a one-rank engine (float32): plain requests, chunked 
 and 3 ranks on SmolLM2 (9 heads, 3 KV heads).
 """
 import argparse
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +227,36 @@ def test_fp8_checkpoint_shards_equal_one_rank(tiny_qwen2_dir, tmp_path):
         finally:
             engine.shutdown()
     assert torch.allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4 * float(logits[0].abs().max()))
+
+
+def test_ranks_exit_when_the_engine_process_dies(tiny_qwen2_dir, tmp_path):
+    script = tmp_path / "engine_dies.py"
+    script.write_text(f"""
+import os, signal
+from engine.config import CacheConfig, EngineConfig
+from engine.llm_engine import LLMEngine
+if __name__ == "__main__":
+    engine = LLMEngine(EngineConfig(model={str(tiny_qwen2_dir)!r}, dtype="float32", tensor_parallel_size=2,
+                                    cache=CacheConfig(num_blocks=8)))
+    print(engine.executor.procs[0].pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind
+""")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while _running(pid):
+        assert time.monotonic() < deadline, f"rank 1 (pid {pid}) outlived the engine process"
+        time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's parent may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
