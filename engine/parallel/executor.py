@@ -151,11 +151,13 @@ class TPExecutor:
         try:
             yield
         except RuntimeError as exc:
-            time.sleep(0.2)  # let a dying rank finish exiting
-            try:
-                self.check_alive()
-            except RuntimeError as dead:
-                raise dead from exc
+            deadline = time.monotonic() + 5.0  # a rank that broke the collective may still be exiting
+            while time.monotonic() < deadline:
+                try:
+                    self.check_alive()
+                except RuntimeError as dead:
+                    raise dead from exc
+                time.sleep(0.1)
             raise
 
     def check_alive(self) -> None:

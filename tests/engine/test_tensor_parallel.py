@@ -6,6 +6,7 @@ and 3 ranks on SmolLM2 (9 heads, 3 KV heads).
 """
 import argparse
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -155,15 +156,21 @@ def test_three_ranks_equal_one_on_smollm2(smollm2_dir):
     assert got == expected
 
 
-def test_a_dead_rank_is_an_error_not_a_hang(tiny_qwen2_dir):
+@pytest.mark.parametrize("how", ["killed", "fails_mid_step"])
+def test_a_dead_rank_is_an_error_not_a_hang(tiny_qwen2_dir, how):
     engine = LLMEngine(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32", tensor_parallel_size=2,
                                     cache=CacheConfig(num_blocks=64)))
     try:
         assert engine.generate([[5, 6, 7]], GREEDY)[0].completions[0].token_ids
-        engine.executor.procs[0].kill()
-        engine.executor.procs[0].join()
-        with pytest.raises(RuntimeError, match="rank 1"):
-            engine.generate([[5, 6, 7, 8]], GREEDY)
+        if how == "killed":  # between steps: found before the next step is sent
+            engine.executor.procs[0].kill()
+            engine.executor.procs[0].join()
+            match = "rank 1 exited"
+        else:  # rank 1 raises on a step it cannot run while rank 0 is already in the step's collectives
+            engine.executor.conns[0].send_bytes(pickle.dumps(("step", "not a step")))
+            match = "(?s)rank 1 exited .*TypeError: ModelRunner.run_step"  # its traceback
+        with pytest.raises(RuntimeError, match=match):
+            engine.generate([[5, 6, 7, 8] * 10], GREEDY)
     finally:
         engine.shutdown()
 
