@@ -101,6 +101,8 @@ class TPExecutor:
         self._threads = torch.get_num_threads()
         torch.set_num_threads(rank_threads(self.world_size))
         device = torch.device(rank_device(config.device, 0))
+        if device.type == "cuda":  # unrun here (no GPU on the development machine)
+            torch.cuda.set_device(device)
         store = host_store("127.0.0.1", self.world_size)
         init_method = f"tcp://127.0.0.1:{store.port}"
         ctx = mp.get_context("spawn")
