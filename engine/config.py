@@ -34,7 +34,8 @@ class CacheConfig:
     """Tokens per KV block."""
     kv_cache_memory_bytes: int | None = None
     """Memory budget for the KV cache; the number of blocks is derived from it. None: on CUDA, what
-    gpu_memory_utilization leaves after weights and the activation peak; on CPU, 2 GiB."""
+    gpu_memory_utilization leaves after weights and the activation peak; on CPU, 2 GiB. With tensor
+    parallelism, per rank (a rank's block holds only its KV heads, so N ranks hold N times the tokens)."""
     gpu_memory_utilization: float = 0.9
     """CUDA: the fraction of the device's memory this engine may use in all (weights, activations, KV)."""
     num_blocks: int | None = None
@@ -118,6 +119,9 @@ class EngineConfig:
     fp8 checkpoint), int8 (weight-only, per channel) or fp8 (e4m3, per channel), quantized at load."""
     seed: int = 0
     """Seed for requests that give none."""
+    tensor_parallel_size: int = 1
+    """Ranks (processes; GPUs on CUDA) that split each layer's heads and MLP, and the KV heads of every
+    block, as vLLM does (engine/parallel/). Must divide the model's attention and KV head counts."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -131,6 +135,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

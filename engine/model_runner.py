@@ -13,6 +13,7 @@ from engine.model.kv_scales import load_kv_scales
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.model_config import ModelConfig
 from engine.paged_inputs import PagedInputBuilder
+from engine.parallel.tp_group import TPGroup
 from engine.scheduler import SchedulerOutput
 from engine.varlen_inputs import VarlenInputBuilder
 
@@ -26,18 +27,27 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> i
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig, max_model_len: int,
+                 tp: TPGroup | None = None) -> None:
+        """With `tp` (tensor parallelism), this rank's shard of the weights and of the KV heads; every
+        rank builds its runner at the same time (they agree on the number of KV blocks)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.cache.block_size
         self.model = load_model(model_path, model_config, self.dtype, self.device,
-                                config.attention_backend, max_model_len, config.quantization)
+                                config.attention_backend, max_model_len, config.quantization, tp)
+        self.tp = tp
+        self.peers = None
+        """Rank 0 of a tensor-parallel engine: the executor that runs each forward on the other ranks too."""
+        model_config = self.model.config  # this rank's heads
         self.varlen = VarlenInputBuilder(self.block_size, self.device) if self.model.attention.varlen else None
         self.paged = None if self.varlen is not None else PagedInputBuilder(self.block_size, self.device)
         self.kv_dtype = self._kv_dtype(model_path, model_config)
         block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_dtype)
         self.num_blocks = config.cache.num_blocks or max(1, self._kv_cache_bytes(model_config) // block_bytes)
+        if tp is not None:
+            self.num_blocks = tp.min(self.num_blocks)
         self.kv_cache = torch.zeros(
             (self.num_blocks, model_config.num_layers, 2, self.block_size,
              model_config.num_kv_heads, model_config.head_dim),
@@ -47,7 +57,7 @@ class ModelRunner:
         self.graphs = None
         self.num_graph_steps = 0
         """Steps replayed from a captured decode graph (the rest ran eagerly)."""
-        if self.device.type == "cuda" and config.cuda_graphs and self.varlen is not None:
+        if self.device.type == "cuda" and config.cuda_graphs and self.varlen is not None and tp is None:
             from engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs,
                                        -(-max_model_len // self.block_size))
@@ -103,6 +113,8 @@ class ModelRunner:
     def forward_prompt(self, token_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits of `rows` of one prompt, prefilled whole into a scratch cache of its own (the engine's
         KV is untouched): memory profiling, and scoring a text position by position."""
+        if self.peers is not None:
+            self.peers.send(("prompt", token_ids, rows))
         model_config = self.model.config
         tokens = token_ids.shape[0]
         blocks = -(-tokens // self.block_size)
@@ -123,13 +135,28 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
         """Run one step; return logits in scheduled order: one row per sampling request, 1 + K rows for a
         request verifying K proposed tokens."""
-        for src, dst in out.block_copies:
-            self.kv_cache[dst].copy_(self.kv_cache[src])
+        self._copy_blocks(out.block_copies)
         if self.varlen is not None:
             step = self.varlen.build(out, kv)
             if self.graphs is not None and self.graphs.can_run(step):
                 self.num_graph_steps += 1
                 return self.graphs.run(step)
-            return self.model.forward(step.input_ids, step.positions, self.kv_cache, step.meta, step.logits_indices)
-        step = self.paged.build(out, kv)
-        return self.model.forward(step.input_ids, step.positions, self.kv_cache, step.meta, step.logits_indices)
+        else:
+            step = self.paged.build(out, kv)
+        inputs = step.input_ids, step.positions, step.meta, step.logits_indices
+        input_ids, positions, meta, logits_indices = inputs
+        if self.peers is not None:
+            self.peers.send(("step", out.block_copies, *inputs))
+            with self.peers.watch():
+                return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    @torch.inference_mode()
+    def run_step(self, block_copies, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+        """Another tensor-parallel rank's share of rank 0's step: the same block copies and inputs."""
+        self._copy_blocks(block_copies)
+        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    def _copy_blocks(self, block_copies) -> None:
+        for src, dst in block_copies:
+            self.kv_cache[dst].copy_(self.kv_cache[src])

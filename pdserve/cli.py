@@ -14,6 +14,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
                    help="quantize the layers' linear weights at load: int8 (weight-only) or fp8 (e4m3); "
                         "a checkpoint already in fp8 needs no flag")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes (GPUs on CUDA) that split each layer's heads and MLP; must divide the "
+                        "model's attention and KV head counts")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"],
                    help="auto: triton on CUDA, torch on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -43,7 +46,7 @@ def engine_config_from_args(args: argparse.Namespace):
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        quantization=args.quantization,
+        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend, cuda_graphs=not args.enforce_eager,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs),

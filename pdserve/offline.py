@@ -21,6 +21,13 @@ def prompt_token_ids(engine: LLMEngine, request: LineRequest) -> list[int]:
 def run_offline(args, config: EngineConfig) -> int:
     requests, errors = read_requests(args.input)
     engine = LLMEngine(config)
+    try:
+        return _run(engine, args, requests, errors)
+    finally:
+        engine.shutdown()  # the tensor-parallel ranks, if any
+
+
+def _run(engine: LLMEngine, args, requests: list[LineRequest], errors: list[LineError]) -> int:
     accepted: list[tuple[LineRequest, list[int]]] = []
     for request in requests:
         try:

@@ -20,6 +20,9 @@ from engine.model.fused import FusedOps, load_fused_ops
 from engine.model.linear import Linear
 from engine.model.model_config import ModelConfig
 from engine.model.rotary import RotaryEmbedding
+from engine.parallel.layers import vocab_parallel_embedding
+from engine.parallel.sharding import vocab_range
+from engine.parallel.tp_group import TPGroup
 
 
 @dataclass
@@ -43,13 +46,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: Linear, attention: AttentionBackend,
-                 max_positions: int) -> None:
+                 max_positions: int, tp: TPGroup | None = None) -> None:
         self.config = config
+        """With tensor parallelism, this rank's shapes (its heads and MLP slice; see engine/parallel/)."""
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.attention = attention
+        self.tp = tp
+        """The tensor-parallel group (None: one rank). The row-parallel linears and the LM head are
+        wrapped at load (engine/parallel/layers.py); the embedding is looked up in `embed_tokens`."""
+        self.vocab_start = vocab_range(config.vocab_size, tp.rank, tp.world_size)[0] if tp is not None else 0
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling, embed.dtype, embed.device)
         self.q_size = config.num_heads * config.head_dim
@@ -63,6 +71,11 @@ class LlamaModel:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        return vocab_parallel_embedding(input_ids, self.embed, self.vocab_start, self.tp)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Run packed tokens through the model; return the logits of `logits_indices` in the model's
@@ -73,7 +86,7 @@ class LlamaModel:
         if self.fused is not None and input_ids.device.type == "cpu":
             return self._forward_fused(self.fused, input_ids, positions, kv_cache, meta, logits_indices)
         cfg = self.config
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         num_tokens = input_ids.shape[0]
         cos, sin = self.rotary.lookup(positions)
         for i, w in enumerate(self.layers):
@@ -103,7 +116,7 @@ class LlamaModel:
         # an fp8 cache is written by the backend, which quantizes.
         write_kv = self.attention.accepts_written_kv and meta.slot_blocks is not None and kv_cache.dtype == self.dtype
         meta.kv_written = write_kv
-        residual = F.embedding(input_ids, self.embed)
+        residual = self.embed_tokens(input_ids)
         h = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         for i, w in enumerate(self.layers):

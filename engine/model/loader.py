@@ -12,6 +12,9 @@ from engine.model.llama import LayerWeights, LlamaModel
 from engine.model.model_config import ModelConfig
 from engine.model.quantization import FP8_DTYPE, QUANTIZERS, checkpoint_scales
 from engine.model.quantized_linear import QUANTIZED_LINEARS
+from engine.parallel.layers import RowParallelLinear, VocabParallelHead
+from engine.parallel.sharding import shard_cols, shard_config, shard_rows, shard_vocab
+from engine.parallel.tp_group import TPGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,11 +49,15 @@ def resolve_quantization(requested: str | None, config: ModelConfig) -> str | No
 
 
 def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               attention_backend: str, max_positions: int, quantization: str | None = None) -> LlamaModel:
+               attention_backend: str, max_positions: int, quantization: str | None = None,
+               tp: TPGroup | None = None) -> LlamaModel:
     """The decoder on `device` in `dtype`; with `quantization` (see `resolve_quantization`) the four
-    linears of each layer run on quantized weights (the embedding and LM head stay in `dtype`)."""
+    linears of each layer run on quantized weights (the embedding and LM head stay in `dtype`).
+    With `tp`, only this rank's shard of each weight (engine/parallel/sharding.py), sliced before it is
+    moved, cast or quantized; the model then computes with this rank's heads."""
     raw = read_tensors(path)
     quantization = resolve_quantization(quantization, config)
+    rank, world = (tp.rank, tp.world_size) if tp is not None else (0, 1)
 
     def pop(name: str) -> torch.Tensor:
         if name not in raw:
@@ -60,19 +67,30 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     def take(name: str) -> torch.Tensor:
         return pop(name).to(device=device, dtype=dtype).contiguous()
 
-    def linear(prefixes: list[str], bias: bool = False) -> Linear:
-        b = torch.cat([take(p + ".bias") for p in prefixes]) if bias else None
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t if tp is None else shard_rows(t, rank, world)
+
+    def linear(prefixes: list[str], bias: bool = False, row_parallel: bool = False):
+        """Column-parallel (each part's row shard, merged) unless `row_parallel` (a column shard, whose
+        outputs the ranks sum)."""
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            if tp is None:
+                return t
+            return shard_cols(t, rank, world) if row_parallel else shard_rows(t, rank, world)
+
+        b = torch.cat([rows(pop(p + ".bias")) for p in prefixes]).to(device=device, dtype=dtype) if bias else None
         if config.quantization == "fp8":  # stored in fp8: its own scales, per tensor or per channel
             parts = [pop(p + ".weight") for p in prefixes]
-            q = torch.cat([w.view(torch.uint8) for w in parts]).view(FP8_DTYPE).to(device)
-            scales = torch.cat([checkpoint_scales(pop(p + ".weight_scale"), w.shape[0])
-                                for p, w in zip(prefixes, parts, strict=True)]).to(device)
-            return QUANTIZED_LINEARS["fp8"](q, scales, b, dtype)
-        weight = torch.cat([pop(p + ".weight") for p in prefixes]).to(device)
+            q = torch.cat([cut(w.view(torch.uint8)) for w in parts]).view(FP8_DTYPE).to(device)
+            scales = [checkpoint_scales(pop(p + ".weight_scale"), w.shape[0])
+                      for p, w in zip(prefixes, parts, strict=True)]  # per row of the whole weight
+            scales = torch.cat([s if row_parallel else rows(s) for s in scales]).to(device)
+            return _parallel(QUANTIZED_LINEARS["fp8"](q.contiguous(), scales, b, dtype), tp, row_parallel)
+        weight = torch.cat([cut(pop(p + ".weight")) for p in prefixes]).to(device)
         if quantization is None:
-            return Linear(weight.to(dtype).contiguous(), b)
+            return _parallel(Linear(weight.to(dtype).contiguous(), b), tp, row_parallel)
         q, scales = QUANTIZERS[quantization](weight)
-        return QUANTIZED_LINEARS[quantization](q, scales, b, dtype)
+        return _parallel(QUANTIZED_LINEARS[quantization](q, scales, b, dtype), tp, row_parallel)
 
     layers = []
     for i in range(config.num_layers):
@@ -80,15 +98,25 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
         layers.append(LayerWeights(
             input_norm=take(f"model.layers.{i}.input_layernorm.weight"),
             qkv=linear([attn + f"{n}_proj" for n in "qkv"], bias=config.qkv_bias),
-            o_proj=linear([attn + "o_proj"]),
+            o_proj=linear([attn + "o_proj"], row_parallel=True),
             post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
             gate_up=linear([mlp + "gate_proj", mlp + "up_proj"]),
-            down=linear([mlp + "down_proj"]),
+            down=linear([mlp + "down_proj"], row_parallel=True),
         ))
-    embed = take("model.embed_tokens.weight")
-    if config.tie_word_embeddings or "lm_head.weight" not in raw:
-        lm_head = embed
-    else:
-        lm_head = take("lm_head.weight")
-    attention = make_backend(attention_backend, config.num_heads, config.num_kv_heads, config.head_dim)
-    return LlamaModel(config, embed, layers, take("model.norm.weight"), Linear(lm_head), attention, max_positions)
+    tied = config.tie_word_embeddings or "lm_head.weight" not in raw
+    embed = pop("model.embed_tokens.weight")
+    lm_head = embed if tied else pop("lm_head.weight")
+    if tp is not None:
+        embed = shard_vocab(embed, rank, world)
+        lm_head = embed if tied else shard_vocab(lm_head, rank, world)
+    embed = embed.to(device=device, dtype=dtype).contiguous()
+    lm_head = embed if tied else lm_head.to(device=device, dtype=dtype).contiguous()
+    head = Linear(lm_head) if tp is None else VocabParallelHead(Linear(lm_head), tp, config.vocab_size)
+    local = config if tp is None else shard_config(config, world)
+    attention = make_backend(attention_backend, local.num_heads, local.num_kv_heads, local.head_dim)
+    return LlamaModel(local, embed, layers, take("model.norm.weight"), head, attention, max_positions, tp)
+
+
+def _parallel(linear, tp: TPGroup | None, row_parallel: bool):
+    """A row-parallel linear sums its ranks' outputs; the others are used as they are."""
+    return RowParallelLinear(linear, tp) if tp is not None and row_parallel else linear

@@ -33,7 +33,7 @@ class DraftProposer:
         cache = replace(config.cache, enable_prefix_caching=False,
                         num_blocks=num_blocks or config.cache.num_blocks)
         draft_config = replace(config, model=str(path), cuda_graphs=False, cache=cache,
-                               speculative=SpeculativeConfig())
+                               speculative=SpeculativeConfig(), tensor_parallel_size=1)  # on rank 0 alone
         self.runner = ModelRunner(draft_config, path, self.model_config, max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Request] = {}

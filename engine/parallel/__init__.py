@@ -1,0 +1,1 @@
+"""Tensor parallelism inside one engine: the rank group, weight sharding, and the rank processes."""

@@ -1,0 +1,217 @@
+"""The rank processes of a tensor-parallel engine.
+
+Lifecycle. The engine process is rank 0: its `TPExecutor` hosts the rendezvous store, spawns ranks
+1..N-1 (`run_rank`, torch.multiprocessing's spawn context, daemon processes) and joins the group.
+Every rank then builds its own ModelRunner: its weight shards, a KV cache of its num_kv_heads / N
+heads for every block (the block count is the smallest any rank can hold). The scheduler, block
+tables, KV cache manager and sampler exist once, on rank 0.
+
+Each step rank 0 builds the step's tensors as with one rank, sends them (with the step's block
+copies) down a pipe to every other rank, pickled once; then all ranks run the same forward, meeting
+in the collectives (engine/parallel/layers.py); only rank 0's logits are used. The pipes carry the
+control messages and the process group the tensors of the forward, so an idle engine keeps no
+collective waiting. `shutdown` sends "stop" and joins the ranks.
+
+Failures. A rank whose pipe closes (rank 0 died) exits. A rank that died is reported by rank 0 as a
+RuntimeError: before each step (liveness check), or when a collective breaks (the pipe carries the
+rank's traceback when it had one). Group connection and collectives time out after
+`tp_group.TIMEOUT_S`, so nothing waits forever on a rank that never comes.
+
+`run_rank(rank, world_size, init_method, config, conn)` is a plain function: another launcher (a Ray
+placement group) can start the same loop with anything that has `send_bytes` / `recv_bytes` / `poll`.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import os
+import pickle
+import time
+import traceback
+import weakref
+from dataclasses import replace
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.config import EngineConfig
+from engine.parallel.tp_group import TPGroup, host_store
+
+logger = logging.getLogger(__name__)
+READY_TIMEOUT_S = 300.0
+
+
+def rank_threads(world_size: int) -> int:
+    """torch threads per rank: this machine's cores shared evenly (at least one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // world_size)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """cuda[:k] -> cuda:(k + rank) (one GPU per rank); cpu stays cpu."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{base + rank}"
+
+
+def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig, conn) -> None:
+    """Rank `rank` (>= 1): join the group, load this rank's shard, then run the steps rank 0 sends until
+    "stop" (or until its pipe closes). `config` is rank 0's, with the model path and max_model_len resolved."""
+    from engine.model.model_config import ModelConfig
+    from engine.model_runner import ModelRunner
+
+    try:
+        torch.set_num_threads(rank_threads(world_size))
+        config = replace(config, device=rank_device(config.device, rank))
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group = TPGroup.connect(rank, world_size, init_method, device)
+        model_config = ModelConfig.from_dir(config.model)
+        runner = ModelRunner(config, config.model, model_config, config.max_model_len, tp=group)
+        conn.send_bytes(pickle.dumps(("ready", runner.num_blocks)))
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):  # rank 0 is gone
+                break
+            kind, args = message[0], _to_device(message[1:], device)
+            if kind == "stop":
+                break
+            if kind == "step":
+                runner.run_step(*args)
+            elif kind == "prompt":
+                runner.forward_prompt(*args)
+        group.close()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        raise
+
+
+class TPExecutor:
+    """Rank 0's side: starts the other ranks, mirrors each forward to them, and stops them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        """`config`: the engine's, with `model` a resolved directory and `max_model_len` set."""
+        self.world_size = config.tensor_parallel_size
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(rank_threads(self.world_size))
+        device = torch.device(rank_device(config.device, 0))
+        if device.type == "cuda":  # unrun here (no GPU on the development machine)
+            torch.cuda.set_device(device)
+        store = host_store("127.0.0.1", self.world_size)
+        init_method = f"tcp://127.0.0.1:{store.port}"
+        ctx = mp.get_context("spawn")
+        self.conns = []
+        self.procs = []
+        for rank in range(1, self.world_size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=run_rank, args=(rank, self.world_size, init_method, config, theirs),
+                               name=f"pdserve-tp-rank{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        try:
+            self.group = TPGroup.connect(0, self.world_size, init_method, device, store=store)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def wait_ready(self, num_blocks: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Block until every rank has built its runner; raise if one died or disagrees on the block count."""
+        deadline = time.monotonic() + timeout_s
+        for rank, conn in enumerate(self.conns, 1):
+            while not conn.poll(0.1):
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel rank {rank} not ready after {timeout_s:.0f} s")
+            kind, value = pickle.loads(conn.recv_bytes())
+            if kind == "error":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
+            if value != num_blocks:
+                raise RuntimeError(f"tensor-parallel rank {rank} has {value} KV blocks, rank 0 {num_blocks}")
+
+    def send(self, message: tuple) -> None:
+        """Hand a forward ("step" or "prompt" and its arguments) to every other rank."""
+        self.check_alive()
+        data = pickle.dumps(_to_device(message, torch.device("cpu")), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send_bytes(data)
+            except OSError as exc:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({exc})") from exc
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Around rank 0's forward: a collective broken by a dead rank is reported as that rank's death."""
+        try:
+            yield
+        except RuntimeError as exc:
+            deadline = time.monotonic() + 5.0  # a rank that broke the collective may still be exiting
+            while time.monotonic() < deadline:
+                try:
+                    self.check_alive()
+                except RuntimeError as dead:
+                    raise dead from exc
+                time.sleep(0.1)
+            raise
+
+    def check_alive(self) -> None:
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
+            if proc.is_alive():
+                continue
+            detail = ""
+            with contextlib.suppress(Exception):
+                if conn.poll():
+                    kind, value = pickle.loads(conn.recv_bytes())
+                    detail = f":\n{value}" if kind == "error" else ""
+            raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}){detail}")
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (waiting for them) and release the group."""
+        self._finalizer()
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.close()
+            self.group = None
+        torch.set_num_threads(self._threads)
+
+
+def _stop(conns: list, procs: list, timeout_s: float = 10.0) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pickle.dumps(("stop",)))
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+def _to_device(obj, device: torch.device):
+    """`obj` with every tensor in it (in tuples, lists, dicts and dataclasses such as AttentionMetadata)
+    on `device`, compact (a view of a larger buffer is copied, so only its own elements get pickled)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device and obj.is_contiguous() and obj.numel() == obj.untyped_storage().nbytes() // max(
+                1, obj.element_size()):
+            return obj
+        return obj.to(device).clone() if obj.device == device else obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, _to_device(getattr(obj, f.name), device))
+        return obj
+    return obj
