@@ -2,10 +2,11 @@
 
 For the default model's four layer linears (merged QKV, O, merged gate/up, down) and the
 LM head, at decode batches (1-64 rows) and prefill chunks (up to 2,048 rows): time per
-call and GFLOP/s of the path `engine.model.linear.Linear` picks (oneDNN with a prepacked
-bf16 weight, float32 for a bf16 model on CPUs without bf16 GEMM, or plain `F.linear`),
-and which primitive oneDNN reports for it (ONEDNN_VERBOSE=1, read back from this
-process's stdout: "none" means the call never reached oneDNN, e.g. MKL's sgemm).
+call and GFLOP/s of the path `engine.model.linear.Linear` picks (a weight prepacked for
+oneDNN, in float32 for a bf16 model on CPUs without bf16 GEMM, or plain `F.linear`);
+beside it `F.linear` on the plain weight (the unpacked path: MKL's sgemm for float32);
+and the primitive oneDNN reports (ONEDNN_VERBOSE=1, read back from this process's
+stdout: "none" means the call never reached oneDNN).
 
   .venv/bin/python bench/linear_shapes.py --dtype bfloat16 [--rows 1 8 64 512 2048]
 """
@@ -38,8 +39,10 @@ def measure(dtype_name: str, rows: list[int], repeats: int) -> list[dict]:
               "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (cfg.vocab_size, hidden)}
     out = []
     for name, (n_out, n_in) in shapes.items():
-        linear = Linear(torch.randn(n_out, n_in, dtype=dtype) * 0.02)
-        path = "onednn-packed" if linear.packed is not None else "fp32-upcast" if linear.upcast else "F.linear"
+        weight = torch.randn(n_out, n_in, dtype=dtype) * 0.02
+        linear = Linear(weight)
+        plain = weight.float() if linear.upcast else weight  # what F.linear would multiply (MKL for float32)
+        path = ("packed" if linear.packed is not None else "plain") + (" fp32" if linear.upcast else "")
         for m in rows:
             x = torch.randn(m, n_in, dtype=dtype)
             for _ in range(3):
@@ -49,8 +52,13 @@ def measure(dtype_name: str, rows: list[int], repeats: int) -> list[dict]:
             for _ in range(repeats):
                 linear(x)
             ms = (time.perf_counter() - start) / repeats * 1e3
+            xp = x.to(plain.dtype)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                torch.nn.functional.linear(xp, plain)
+            plain_ms = (time.perf_counter() - start) / repeats * 1e3
             out.append({"linear": name, "rows": m, "out": n_out, "in": n_in, "path": path, "ms": ms,
-                        "gflops": 2 * m * n_out * n_in / ms / 1e6})
+                        "gflops": 2 * m * n_out * n_in / ms / 1e6, "plain_f_linear_ms": plain_ms})
     print(f"@@ bf16_gemm_supported={bf16_gemm_supported()} capability={torch.backends.cpu.get_cpu_capability()} "
           f"threads={torch.get_num_threads()}", flush=True)
     return out
@@ -86,11 +94,12 @@ def main() -> int:
             primitives.setdefault(key, set()).add(f"{kind}:{impl}")
     info = re.search(r"@@ (bf16_gemm_supported=.*)", text)
     print(f"{args.dtype}; {info.group(1) if info else ''}")
-    print(f"{'linear':<8} {'rows':>5} {'out x in':>12} {'path':<14} {'ms':>8} {'GFLOP/s':>8}  oneDNN primitive")
+    print(f"{'linear':<8} {'rows':>5} {'out x in':>12} {'path':<12} {'ms':>8} {'GFLOP/s':>8} {'F.linear ms':>12}  "
+          "oneDNN primitive")
     for r in results:
         r["onednn"] = sorted(primitives.get((r["linear"], r["rows"]), [])) or ["none"]
-        print(f"{r['linear']:<8} {r['rows']:>5} {r['out']:>6}x{r['in']:<5} {r['path']:<14} {r['ms']:>8.3f} "
-              f"{r['gflops']:>8.1f}  {' '.join(r['onednn'])}")
+        print(f"{r['linear']:<8} {r['rows']:>5} {r['out']:>6}x{r['in']:<5} {r['path']:<12} {r['ms']:>8.3f} "
+              f"{r['gflops']:>8.1f} {r['plain_f_linear_ms']:>12.3f}  {' '.join(r['onednn'])}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"dtype": args.dtype, "info": info.group(1) if info else "",
                                              "results": results}, indent=1))
