@@ -24,7 +24,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+            "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            # The `vllm` CLI wrapper maps the distribution name, and vLLM then no longer detects its CPU
+            # platform: it loads the AVX-512 build of its kernels, SIGILL on an AVX2 CPU. Name the platform.
+            "VLLM_TARGET_DEVICE": "cpu"}
 
 
 def cpu_description() -> dict:

@@ -78,7 +78,8 @@ def load_flags(workload: dict) -> list[str]:
 
 
 def run_vllm_bench(args, workload: dict, http_url: str, model_dir: Path, out: Path) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               VLLM_TARGET_DEVICE="cpu")  # see cpu_peer_side_by_side.PEER_ENV
     cmd = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", http_url,
            "--endpoint", "/v1/completions", "--model", "default", "--tokenizer", str(model_dir),
            "--dataset-name", "sharegpt", "--dataset-path", str(workload["dataset"]), "--sharegpt-output-len",
