@@ -274,11 +274,8 @@ class RayCluster:
         with self._lock:
             if self._closed:
                 raise RuntimeError("serve is stopping")
-            actor = self._spawn(role, slot)
+            actor = self._spawn(role, slot, announce=True)
             self.actors.append(actor)
-        print(f"{role} worker placed on {slot.ip} (port {slot.ports[0]}"
-              f"{f', metrics on {slot.ports[1]}' if self.config.router.metrics_port is not None else ''})",
-              flush=True)
         return actor, actor.address.remote()
 
     def started(self, pending) -> str | None:
