@@ -198,7 +198,7 @@ class RayCluster:
         for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
             slots = self._node_slots(role, count, self.use_gpu) if joined else [None] * count
             for slot in slots:
-                actor = self._spawn(role, slot, announce=True)
+                actor = self._spawn(role, slot)
                 self.actors.append(actor)
                 if slot is not None:
                     self.slots.append(WorkerSlot(role, slot.node_id, "", actor))
@@ -209,7 +209,7 @@ class RayCluster:
             if joined:
                 self.slots[i].address = address
 
-    def _spawn(self, role: str, slot: NodeSlot | None, announce: bool = False):
+    def _spawn(self, role: str, slot: NodeSlot | None):
         """A worker actor of `role`: on this machine (`slot` None), or pinned to the slot's node."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -232,7 +232,7 @@ class RayCluster:
             # other machines lack our secret file: their process env gets the secret
             options["runtime_env"] = {"env_vars": {ENV_VALUE: template.auth.read_secret().decode()}}
             worker = dataclasses.replace(worker, auth=ClusterAuthConfig())
-        if announce and worker.metrics_port is not None:
+        if worker.metrics_port is not None:
             print(f"{role} worker metrics at http://{host}:{worker.metrics_port}/metrics", flush=True)
         return self._actor_cls.options(**options, max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
                                        name=None).remote(worker, self.config.log_level)
@@ -274,7 +274,7 @@ class RayCluster:
         with self._lock:
             if self._closed:
                 raise RuntimeError("serve is stopping")
-            actor = self._spawn(role, slot, announce=True)
+            actor = self._spawn(role, slot)
             self.actors.append(actor)
         return actor, actor.address.remote()
 

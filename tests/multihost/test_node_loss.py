@@ -126,7 +126,8 @@ def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hos
         decode_metrics = re.findall(r"decode worker metrics at (\S+)", "".join(output))
         assert len(decode_metrics) == 2 and decode_metrics[-1].startswith(f"http://{decode_ip}:"), decode_metrics
         new_worker = hosts.run(1, [*PROBE, decode_metrics[-1]], timeout=60, capture_output=True, text=True).stdout
-        assert metric_text_value(new_worker, "pdserve:generation_tokens_total") >= REQUEST["max_tokens"]
+        # (the first token comes with the prefill from host 2; the new decode worker made the others)
+        assert metric_text_value(new_worker, "pdserve:generation_tokens_total") >= REQUEST["max_tokens"] - 1
 
         # 4. leak check, through the router's view of every worker it holds now
         def nothing_held() -> bool:
