@@ -31,9 +31,19 @@ class RayHosts:
     def head(self) -> str:
         return self.hosts.addresses[0]
 
-    def start_node(self, host: int, temp_name: str | None = None) -> None:
-        """`ray start` on ``host``: the head on host 1, else a node declaring its pool (POOLS)."""
+    def start_node(self, host: int, temp_name: str | None = None, attempts: int = 1) -> None:
+        """`ray start` on ``host``: the head on host 1, else a node declaring its pool (POOLS). With
+        ``attempts`` > 1 a start that fails (`ray start` gives a raylet 30 s to register, which a busy
+        machine may miss) is retried after killing what it left on the host, in a fresh temp dir."""
         temp_dir = f"{self.temp}/{temp_name or f'h{host}'}"
+        for attempt in range(1, attempts + 1):
+            done = self._start_node(host, temp_dir if attempt == 1 else f"{temp_dir}-{attempt}")
+            if done.returncode == 0 or attempt == attempts:
+                break
+            self.hosts.kill_all(host)
+        assert done.returncode == 0, f"ray start on host {host} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+
+    def _start_node(self, host: int, temp_dir: str):
         if host == 1:
             argv = [RAY, "start", "--head", "--node-ip-address", self.head, "--port", str(HEAD_PORT),
                     "--num-cpus", "1", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir]
@@ -42,8 +52,7 @@ class RayHosts:
                     self.hosts.addresses[host - 1], "--num-cpus", "2",
                     "--resources", json.dumps({f"pdserve_{POOLS[host]}": 4}),
                     "--disable-usage-stats", "--temp-dir", temp_dir]
-        done = self.hosts.run(host, argv, timeout=180, env=self.env, capture_output=True, text=True)
-        assert done.returncode == 0, f"ray start on host {host} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        return self.hosts.run(host, argv, timeout=180, env=self.env, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

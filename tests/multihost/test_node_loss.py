@@ -109,7 +109,7 @@ def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hos
 
         # 3. host 3 comes back (a new Ray node, same address and resources): a new decode worker there
         rejoined_at = time.monotonic()
-        ray_hosts.start_node(3, temp_name="h3-again")
+        ray_hosts.start_node(3, temp_name="h3-again", attempts=3)
 
         def new_decode_in_rotation():
             healthy = healthy_workers(router_metrics(), "decode")
