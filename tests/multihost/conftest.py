@@ -59,11 +59,12 @@ class RayHosts:
 def ray_hosts():
     hosts = Hosts(3)
     temp = tempfile.mkdtemp(prefix="pdmh", dir="/tmp")
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
+               RAY_raylet_start_wait_time_s="120")  # the GCS's wait for a raylet: a busy machine is slow
     cluster = RayHosts(hosts, env, temp)
     try:
         for host in (1, 2, 3):
-            cluster.start_node(host)
+            cluster.start_node(host, attempts=2)
         yield cluster
     finally:
         for host in (3, 2, 1):
