@@ -87,7 +87,7 @@ def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hos
         old_decode = re.search(rf"decode ({re.escape(decode_ip)}:\d+)", workers).group(1)
         assert healthy_workers(router_metrics(), "decode") == {old_decode: 1.0}
         first, _ = generate("first.jsonl")
-        assert first.returncode == 0, first.stderr[-2000:]
+        assert first.returncode == 0, first.stderr[-2000:] + "".join(output[-40:])
         [want] = [json.loads(x) for x in (tmp_path / "first.jsonl").read_text().splitlines()]
 
         # 2. host 3 dies, raylet and worker: the router takes its decode worker out of rotation at once
@@ -119,7 +119,7 @@ def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hos
         back_after = time.monotonic() - rejoined_at
         assert logged("back in rotation"), "".join(output[-40:])
         second, _ = generate("second.jsonl")
-        assert second.returncode == 0, second.stderr[-2000:]
+        assert second.returncode == 0, second.stderr[-2000:] + "".join(output[-40:])
         [have] = [json.loads(x) for x in (tmp_path / "second.jsonl").read_text().splitlines()]
         assert have["token_ids"] == want["token_ids"] and have["text"] == want["text"]
         # served by the new worker on host 3: its own metrics count the tokens
