@@ -6,6 +6,10 @@ whose process dies; each actor runs an ordinary worker process body (its own
 gRPC server) on a port chosen here, so a restarted worker comes back on the
 same address and the router's health poll puts it back in rotation. Ray is
 placement and supervision only: requests and KV never pass through it.
+
+Joining a cluster (`--ray-address`), each actor is pinned to a node, and a node that dies never
+comes back under the same NodeID: a NodeSupervisor (pdserve/cluster_supervisor.py) takes the
+workers of a lost node out of the router's pool and re-places them on a node that (re)joins.
 """
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 
 from pdserve.cluster_auth import ClusterAuthConfig
 from pdserve.cluster_auth.dev_pki import make_cluster_pki
 from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
 from pdserve.cluster_auth.tls import InternalTLSConfig
+from pdserve.cluster_supervisor import Add, NodeSupervisor, Remove, WorkerSlot, eligible_nodes
 from router.config import RouterConfig
 from router.server import RouterServer, WorkersUnreachable
 from worker_runtime.config import WorkerConfig
@@ -31,6 +37,8 @@ from worker_runtime.config import WorkerConfig
 logger = logging.getLogger(__name__)
 ACTOR_MAX_RESTARTS = 3
 WORKER_START_TIMEOUT_S = 900.0  # first start may convert the model and build the CPU kernel
+SUPERVISE_INTERVAL_S = 1.0
+"""How often a joined cluster's worker slots are checked for node loss (pdserve/cluster_supervisor.py)."""
 
 
 class WorkerProcess:
@@ -103,11 +111,7 @@ class NodeSlot:
 def pick_nodes(nodes: list[dict], role: str, count: int, use_gpu: bool) -> list[dict]:
     """Alive nodes for `count` workers of `role`, round robin: those declaring `pdserve_<role>`
     when any does (the chart's KubeRay groups), with a GPU for CUDA workers."""
-    alive = [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
-    declared = [n for n in alive if n["Resources"].get(f"pdserve_{role}", 0) > 0]
-    candidates = declared or alive
-    if use_gpu:
-        candidates = [n for n in candidates if n["Resources"].get("GPU", 0) > 0]
+    candidates = eligible_nodes(nodes, role, use_gpu, declared_only=False)
     if not candidates:
         raise RuntimeError(f"no alive Ray node can run a {role} worker"
                            f"{' (with a GPU)' if use_gpu else ''}: {[n.get('NodeManagerAddress') for n in nodes]}")
@@ -138,18 +142,33 @@ class ClusterConfig:
 
 
 class RayCluster:
-    """Starts and stops the worker actors; `addresses` once started."""
+    """Starts and stops the worker actors; `addresses` once started. On a joined cluster `slots` records
+    where each worker runs, for the NodeSupervisor (pdserve/cluster_supervisor.py)."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.actors: list = []
         self.addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        self.slots: list[WorkerSlot] = []
+        self.use_gpu = False
+        self.declared_roles: set[str] = set()
         self._started_ray = False
+        self._lock = threading.Lock()
+        self._closed = False
+        self._template: WorkerConfig | None = None
+        self._threads = 1
+        self._resources: dict = {}
+        self._actor_cls = None
+        self._probes: dict = {}
+        """actor -> its outstanding liveness probe (an `address()` call)."""
+
+    @property
+    def joined(self) -> bool:
+        return self.config.ray_address is not None
 
     def start(self) -> None:
         import ray
         import torch
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         cfg = self.config
         num_workers = cfg.num_prefill + cfg.num_decode
@@ -162,71 +181,142 @@ class RayCluster:
             self._started_ray = True
         # Joining a cluster, the workers run on other machines: a head without a GPU still
         # places `--device cuda` workers on GPUs, and they listen on every interface.
-        joined = cfg.ray_address is not None
-        resources = ray.cluster_resources()
+        joined = self.joined
+        self._resources = resources = ray.cluster_resources()
         device = cfg.worker.engine.device  # `auto`: GPUs here, or in the cluster joined
-        use_gpu = torch.cuda.is_available() and device != "cpu" or joined and (
+        self.use_gpu = torch.cuda.is_available() and device != "cpu" or joined and (
             device.startswith("cuda") or device == "auto" and resources.get("GPU", 0) > 0)
+        self.declared_roles = {role for role in ("prefill", "decode") if f"pdserve_{role}" in resources}
         template = cfg.worker
         if joined:
             template = dataclasses.replace(template, host="0.0.0.0",
                                            kv_transfer=dataclasses.replace(template.kv_transfer, host="0.0.0.0"))
-        threads = cfg.worker.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
-        actor_cls = ray.remote(WorkerProcess)
+        self._template = template
+        self._threads = cfg.worker.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
+        self._actor_cls = ray.remote(WorkerProcess)
         pending = []
         for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
-            slots = self._node_slots(role, count, use_gpu) if joined else [None] * count
+            slots = self._node_slots(role, count, self.use_gpu) if joined else [None] * count
             for slot in slots:
-                engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device)
-                worker = dataclasses.replace(template, role=role, num_threads=threads, engine=engine)
-                options = actor_options(role, use_gpu, resources)
-                with_metrics = cfg.router.metrics_port is not None
-                if slot is None:  # this machine: ports free here, kept across actor restarts
-                    host = template.host
-                    worker = dataclasses.replace(worker, port=template.port or free_port(host),
-                                                 metrics_port=free_port(host) if with_metrics else None)
-                else:  # another node: its address as Ray knows it, ports free there, and it stays there
-                    host = slot.ip
-                    worker = dataclasses.replace(
-                        worker, port=template.port or slot.ports[0], advertise_host=slot.ip,
-                        metrics_port=slot.ports[1] if with_metrics else None,
-                        kv_transfer=dataclasses.replace(worker.kv_transfer, advertise_host=slot.ip))
-                    options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(slot.node_id, soft=False)
-                    # other machines lack our secret file: their process env gets the secret
-                    options["runtime_env"] = {"env_vars": {ENV_VALUE: template.auth.read_secret().decode()}}
-                    worker = dataclasses.replace(worker, auth=ClusterAuthConfig())
-                if worker.metrics_port is not None:
-                    print(f"{role} worker metrics at http://{host}:{worker.metrics_port}/metrics", flush=True)
-                actor = actor_cls.options(**options,
-                                          max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
-                                          name=None).remote(worker, cfg.log_level)
+                actor = self._spawn(role, slot)
                 self.actors.append(actor)
+                if slot is not None:
+                    self.slots.append(WorkerSlot(role, slot.node_id, "", actor))
                 pending.append((role, actor.address.remote()))
-        for role, ref in pending:
-            self.addresses[role].append(ray.get(ref, timeout=WORKER_START_TIMEOUT_S))
+        for i, (role, ref) in enumerate(pending):
+            address = ray.get(ref, timeout=WORKER_START_TIMEOUT_S)
+            self.addresses[role].append(address)
+            if joined:
+                self.slots[i].address = address
+
+    def _spawn(self, role: str, slot: NodeSlot | None):
+        """A worker actor of `role`: on this machine (`slot` None), or pinned to the slot's node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        template, use_gpu = self._template, self.use_gpu
+        engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device)
+        worker = dataclasses.replace(template, role=role, num_threads=self._threads, engine=engine)
+        options = actor_options(role, use_gpu, self._resources)
+        with_metrics = self.config.router.metrics_port is not None
+        if slot is None:  # this machine: ports free here, kept across actor restarts
+            host = template.host
+            worker = dataclasses.replace(worker, port=template.port or free_port(host),
+                                         metrics_port=free_port(host) if with_metrics else None)
+        else:  # another node: its address as Ray knows it, ports free there, and it stays there
+            host = slot.ip
+            worker = dataclasses.replace(
+                worker, port=template.port or slot.ports[0], advertise_host=slot.ip,
+                metrics_port=slot.ports[1] if with_metrics else None,
+                kv_transfer=dataclasses.replace(worker.kv_transfer, advertise_host=slot.ip))
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(slot.node_id, soft=False)
+            # other machines lack our secret file: their process env gets the secret
+            options["runtime_env"] = {"env_vars": {ENV_VALUE: template.auth.read_secret().decode()}}
+            worker = dataclasses.replace(worker, auth=ClusterAuthConfig())
+        if worker.metrics_port is not None:
+            print(f"{role} worker metrics at http://{host}:{worker.metrics_port}/metrics", flush=True)
+        return self._actor_cls.options(**options, max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
+                                       name=None).remote(worker, self.config.log_level)
 
     @staticmethod
     def _node_slots(role: str, count: int, use_gpu: bool) -> list[NodeSlot]:
         """Nodes for `count` workers of `role`, with two ports each picked free on the node itself."""
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        probe = ray.remote(num_cpus=0)(free_ports)
-        nodes = pick_nodes(ray.nodes(), role, count, use_gpu)
-        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(2)
-                for n in nodes]
-        return [NodeSlot(n["NodeID"], n["NodeManagerAddress"], tuple(ports))
-                for n, ports in zip(nodes, ray.get(refs, timeout=120), strict=True)]
+        return probe_node_slots(pick_nodes(ray.nodes(), role, count, use_gpu))
+
+    # ---- the NodeSupervisor's backend (joined clusters) ---------------------
+    def nodes(self) -> list[dict]:
+        import ray
+        return ray.nodes()
+
+    def actor_dead(self, actor) -> bool:
+        """Polls one `address()` call per actor at a time: an ActorDiedError means dead for good (a
+        restarting actor's call waits for the restart)."""
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnschedulableError
+        probe = self._probes.get(actor)
+        if probe is None:
+            self._probes[actor] = actor.address.remote()
+            return False
+        ready, _ = ray.wait([probe], timeout=0)
+        if not ready:
+            return False
+        del self._probes[actor]
+        try:
+            ray.get(probe)
+        except (ActorDiedError, ActorUnschedulableError):
+            return True
+        except Exception:  # noqa: BLE001 - the worker reported a start error: Ray restarts it if it can
+            return False
+        return False
+
+    def place(self, role: str, node: dict):
+        [slot] = probe_node_slots([node], timeout_s=60)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("serve is stopping")
+            actor = self._spawn(role, slot)
+            self.actors.append(actor)
+        return actor, actor.address.remote()
+
+    def started(self, pending) -> str | None:
+        import ray
+        ready, _ = ray.wait([pending], timeout=0)
+        return ray.get(pending) if ready else None
+
+    def kill(self, actor) -> None:
+        import ray
+        self._probes.pop(actor, None)
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        with self._lock:
+            if actor in self.actors:
+                self.actors.remove(actor)
 
     def stop(self) -> None:
         import ray
-        for actor in self.actors:
+        with self._lock:
+            self._closed = True
+            actors, self.actors = self.actors, []
+        for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 pass
-        self.actors = []
         if self._started_ray:
             ray.shutdown()
+
+
+def probe_node_slots(nodes: list[dict], timeout_s: float = 120) -> list[NodeSlot]:
+    """For each node: its address as Ray knows it and two ports picked free on the node itself."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    probe = ray.remote(num_cpus=0)(free_ports)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(2)
+            for n in nodes]
+    return [NodeSlot(n["NodeID"], n["NodeManagerAddress"], tuple(ports))
+            for n, ports in zip(nodes, ray.get(refs, timeout=timeout_s), strict=True)]
 
 
 def run_serve(config: ClusterConfig) -> int:
@@ -261,7 +351,7 @@ def run_serve(config: ClusterConfig) -> int:
         router_config = dataclasses.replace(config.router, prefill_workers=cluster.addresses["prefill"],
                                             decode_workers=cluster.addresses["decode"])
         try:
-            return asyncio.run(_serve_router(router_config, stop, config))
+            return asyncio.run(_serve_router(router_config, stop, config, cluster))
         except WorkersUnreachable as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -270,7 +360,8 @@ def run_serve(config: ClusterConfig) -> int:
         shutil.rmtree(secret_dir, ignore_errors=True)
 
 
-async def _serve_router(router_config: RouterConfig, stop: threading.Event, config: ClusterConfig) -> int:
+async def _serve_router(router_config: RouterConfig, stop: threading.Event, config: ClusterConfig,
+                        cluster: RayCluster | None = None) -> int:
     router = RouterServer(router_config)
     address = await router.start(wait_for_workers_s=60.0)
     extras = ""
@@ -285,8 +376,45 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
     print(f"workers: {workers} (internal links {how})", flush=True)
     print(f"ready: pdserve serving at {address} ({config.num_prefill} prefill, {config.num_decode} decode"
           f"{extras})", flush=True)
-    while not stop.is_set():
-        await asyncio.sleep(0.1)
+    supervising = threading.Event()
+    thread = None
+    if cluster is not None and cluster.joined:  # a private cluster: Ray restarts actors in place
+        supervising.set()
+        thread = threading.Thread(target=_supervise, args=(cluster, router, asyncio.get_running_loop(), supervising),
+                                  name="node-supervisor", daemon=True)
+        thread.start()
+    try:
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+    finally:
+        supervising.clear()
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, 10.0)
     await router.drain()
     await router.stop()
     return 0
+
+
+def _supervise(cluster: RayCluster, router: RouterServer, loop: asyncio.AbstractEventLoop,
+               supervising: threading.Event) -> None:
+    """Thread body: every SUPERVISE_INTERVAL_S a NodeSupervisor tick (Ray calls block), its pool
+    changes applied on the router's loop."""
+    supervisor = NodeSupervisor(cluster.slots, cluster, cluster.use_gpu, cluster.declared_roles)
+    while supervising.is_set():
+        time.sleep(SUPERVISE_INTERVAL_S)
+        if not supervising.is_set():
+            return
+        try:
+            changes = supervisor.tick(time.monotonic())
+            if changes:
+                asyncio.run_coroutine_threadsafe(_apply(router.pool, changes), loop).result(timeout=60)
+        except Exception:  # noqa: BLE001 - never let supervision die
+            logger.exception("node supervision failed")
+
+
+async def _apply(pool, changes: list[Remove | Add]) -> None:
+    for change in changes:
+        if isinstance(change, Remove):
+            await pool.remove(change.address)
+        else:
+            await pool.add(change.address, change.role)

@@ -85,6 +85,18 @@ class Hosts:
                 except OSError:
                     pass
 
+    def kill_all(self, host: int) -> list[int]:
+        """SIGKILL every process in namespace ``host`` (1-based), as if the machine died; their pids."""
+        done = subprocess.run(["ip", "netns", "pids", self.names[host - 1]], capture_output=True, text=True,
+                              timeout=30, check=True)
+        pids = [int(p) for p in done.stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return pids
+
     def close(self) -> None:
         for proc in self._procs:
             if proc.poll() is None:

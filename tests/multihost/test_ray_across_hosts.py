@@ -8,54 +8,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-import pytest
-
 from tests.cluster.harness import WORKER_FLAGS
 from tests.cluster.test_cluster_outputs import run_cli
-from tests.multihost.netns import Hosts
+from tests.multihost.conftest import HEAD_PORT
 
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-HEAD_PORT = 6390
 ROUTER_PORT, METRICS_PORT = 50061, 9461
 PROMPT = ", ".join(str(i) for i in range(60))  # ~230 tokens: prefilled on host 2, not by the decode worker
 
 
-@pytest.fixture(scope="module")
-def ray_hosts():
-    hosts = Hosts(3)
-    temp = tempfile.mkdtemp(prefix="pdmh", dir="/tmp")  # short: Ray's socket paths live below it
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
-    try:
-        head = hosts.addresses[0]
-        starts = [[RAY, "start", "--head", "--node-ip-address", head, "--port", str(HEAD_PORT), "--num-cpus", "1",
-                   "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", f"{temp}/h1"]]
-        for host, pool in ((2, "prefill"), (3, "decode")):
-            starts.append([RAY, "start", "--address", f"{head}:{HEAD_PORT}", "--node-ip-address",
-                           hosts.addresses[host - 1], "--num-cpus", "2",
-                           "--resources", json.dumps({f"pdserve_{pool}": 4}),
-                           "--disable-usage-stats", "--temp-dir", f"{temp}/h{host}"])
-        for host, argv in enumerate(starts, 1):
-            done = hosts.run(host, argv, timeout=180, env=env, capture_output=True, text=True)
-            assert done.returncode == 0, f"ray start on host {host} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
-        yield hosts, env
-    finally:
-        hosts.kill_matching(temp)
-        hosts.close()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
 def test_serve_places_pools_on_their_hosts_and_kv_crosses_the_link(ray_hosts, tmp_path):
-    hosts, env = ray_hosts
-    head = hosts.addresses[0]
+    hosts, env, head = ray_hosts.hosts, ray_hosts.env, ray_hosts.head
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "mh", "prompt": PROMPT, "temperature": 0, "max_tokens": 12,
                                                    "ignore_eos": True}) + "\n")
     engine_flags = [f for f in WORKER_FLAGS if f not in ("--num-threads", "1")]

@@ -1,0 +1,74 @@
+"""A Ray cluster across three hosts (network namespaces, tests/multihost/netns.py): the head on host 1,
+a node declaring the prefill pool on host 2 and one declaring the decode pool on host 3."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+from tests.multihost.netns import Hosts
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+HEAD_PORT = 6390
+POOLS = {2: "prefill", 3: "decode"}
+
+
+@dataclasses.dataclass
+class RayHosts:
+    hosts: Hosts
+    env: dict
+    """Environment of every Ray process and client (the cluster's auth token)."""
+    temp: str
+    """Every Ray node's temp dir lies below it (short: Ray's socket paths live there)."""
+
+    @property
+    def head(self) -> str:
+        return self.hosts.addresses[0]
+
+    def start_node(self, host: int, temp_name: str | None = None, attempts: int = 1) -> None:
+        """`ray start` on ``host``: the head on host 1, else a node declaring its pool (POOLS). With
+        ``attempts`` > 1 a start that fails (`ray start` gives a raylet 30 s to register, which a busy
+        machine may miss) is retried after killing what it left on the host, in a fresh temp dir."""
+        temp_dir = f"{self.temp}/{temp_name or f'h{host}'}"
+        for attempt in range(1, attempts + 1):
+            done = self._start_node(host, temp_dir if attempt == 1 else f"{temp_dir}-{attempt}")
+            if done.returncode == 0 or attempt == attempts:
+                break
+            self.hosts.kill_all(host)
+        assert done.returncode == 0, f"ray start on host {host} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+
+    def _start_node(self, host: int, temp_dir: str):
+        if host == 1:
+            argv = [RAY, "start", "--head", "--node-ip-address", self.head, "--port", str(HEAD_PORT),
+                    "--num-cpus", "1", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir]
+        else:
+            argv = [RAY, "start", "--address", f"{self.head}:{HEAD_PORT}", "--node-ip-address",
+                    self.hosts.addresses[host - 1], "--num-cpus", "2",
+                    "--resources", json.dumps({f"pdserve_{POOLS[host]}": 4}),
+                    "--disable-usage-stats", "--temp-dir", temp_dir]
+        return self.hosts.run(host, argv, timeout=180, env=self.env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def ray_hosts():
+    hosts = Hosts(3)
+    temp = tempfile.mkdtemp(prefix="pdmh", dir="/tmp")
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
+               RAY_raylet_start_wait_time_s="120")  # the GCS's wait for a raylet: a busy machine is slow
+    cluster = RayHosts(hosts, env, temp)
+    try:
+        for host in (1, 2, 3):
+            cluster.start_node(host, attempts=2)
+        yield cluster
+    finally:
+        for host in (3, 2, 1):
+            hosts.kill_all(host)
+        hosts.kill_matching(temp)
+        hosts.close()
+        shutil.rmtree(temp, ignore_errors=True)
