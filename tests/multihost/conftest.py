@@ -2,13 +2,17 @@
 a node declaring the prefill pool on host 2 and one declaring the decode pool on host 3."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import secrets
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 
@@ -17,6 +21,9 @@ from tests.multihost.netns import Hosts
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 HEAD_PORT = 6390
 POOLS = {2: "prefill", 3: "decode"}
+PROBE = [sys.executable, "-c", "import sys, urllib.request; "
+         "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"]
+"""Prints the body of an HTTP GET of its one argument (run inside a host: metrics endpoints)."""
 
 
 @dataclasses.dataclass
@@ -42,6 +49,36 @@ class RayHosts:
                 break
             self.hosts.kill_all(host)
         assert done.returncode == 0, f"ray start on host {host} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+
+    @contextlib.contextmanager
+    def serve(self, *flags: str):
+        """`pdserve serve --ray-address HEAD FLAGS` on host 1; yields the lines it printed (a list that
+        keeps filling) once it is ready. On exit: SIGINT (drain and stop) and a clean exit asserted."""
+        proc = self.hosts.popen(1, [sys.executable, "-m", "pdserve.cli", "serve", "--ray-address",
+                                    f"{self.head}:{HEAD_PORT}", *flags],
+                                env=dict(self.env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        output: list[str] = []
+        ready = threading.Event()
+
+        def pump() -> None:
+            for line in proc.stdout:
+                output.append(line)
+                if line.startswith("ready:"):
+                    ready.set()
+            ready.set()
+        threading.Thread(target=pump, daemon=True).start()
+        try:
+            assert ready.wait(600) and proc.poll() is None, "".join(output[-40:])
+            yield output
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait() == 0, "".join(output[-30:])
 
     def _start_node(self, host: int, temp_dir: str):
         if host == 1:

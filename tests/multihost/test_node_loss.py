@@ -6,24 +6,19 @@ is placed there, joins the router and serves the same greedy output, and nothing
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from tests.cluster.harness import WORKER_FLAGS
-from tests.multihost.conftest import HEAD_PORT
+from tests.multihost.conftest import PROBE
 from tests.multihost.test_ray_across_hosts import PROMPT, metric_text_value
 
 ROUTER_PORT, METRICS_PORT = 50062, 9462
 REQUEST = {"id": "nl", "prompt": PROMPT, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
-PROBE = [sys.executable, "-c", "import sys, urllib.request; "
-         "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"]
 
 
 def healthy_workers(metrics: str, role: str) -> dict[str, float]:
@@ -50,21 +45,6 @@ def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hos
     hosts, env, head = ray_hosts.hosts, ray_hosts.env, ray_hosts.head
     decode_ip = hosts.addresses[2]
     (tmp_path / "in.jsonl").write_text(json.dumps(REQUEST) + "\n")
-    serve = hosts.popen(1, [sys.executable, "-m", "pdserve.cli", "serve", "--ray-address", f"{head}:{HEAD_PORT}",
-                            "--prefill", "1", "--decode", "1", "--host", head, "--port", str(ROUTER_PORT),
-                            "--metrics-port", str(METRICS_PORT), "--health-interval-s", "0.5", *WORKER_FLAGS],
-                        env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True)
-    output: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in serve.stdout:
-            output.append(line)
-            if line.startswith("ready:"):
-                ready.set()
-        ready.set()
-    threading.Thread(target=pump, daemon=True).start()
 
     def generate(name: str) -> tuple[subprocess.CompletedProcess, float]:
         start = time.monotonic()
@@ -80,9 +60,9 @@ def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hos
     def logged(text: str) -> bool:
         return any(text in line for line in output)
 
-    try:
+    with ray_hosts.serve("--prefill", "1", "--decode", "1", "--host", head, "--port", str(ROUTER_PORT),
+                         "--metrics-port", str(METRICS_PORT), "--health-interval-s", "0.5", *WORKER_FLAGS) as output:
         # 1. serving: a greedy request through host 2 (prefill) and host 3 (decode)
-        assert ready.wait(600) and serve.poll() is None, "".join(output[-40:])
         workers = next(line for line in output if line.startswith("workers:"))
         old_decode = re.search(rf"decode ({re.escape(decode_ip)}:\d+)", workers).group(1)
         assert healthy_workers(router_metrics(), "decode") == {old_decode: 1.0}
@@ -138,11 +118,3 @@ def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hos
         print(f"node loss: out of rotation after {out_after:.1f} s, request failed in {failed_s:.1f} s, "
               f"serve saw the node lost after {lost_after:.1f} s; rejoined worker {new_decode} in rotation "
               f"{back_after:.1f} s after `ray start`")
-    finally:
-        if serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGINT)
-            try:
-                serve.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve.pid, signal.SIGKILL)
-    assert serve.returncode == 0, "".join(output[-30:])

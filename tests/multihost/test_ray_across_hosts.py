@@ -6,17 +6,13 @@ engine's, and every worker ends with nothing held."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 
 from tests.cluster.harness import WORKER_FLAGS
 from tests.cluster.test_cluster_outputs import run_cli
-from tests.multihost.conftest import HEAD_PORT
+from tests.multihost.conftest import PROBE
 
 ROUTER_PORT, METRICS_PORT = 50061, 9461
 PROMPT = ", ".join(str(i) for i in range(60))  # ~230 tokens: prefilled on host 2, not by the decode worker
@@ -30,23 +26,8 @@ def test_serve_places_pools_on_their_hosts_and_kv_crosses_the_link(ray_hosts, tm
     offline = run_cli(["generate", "--offline", *engine_flags, "--input", str(tmp_path / "in.jsonl"),
                        "--output", str(tmp_path / "offline.jsonl")])
     assert offline.returncode == 0, offline.stderr
-    serve = hosts.popen(1, [sys.executable, "-m", "pdserve.cli", "serve", "--ray-address", f"{head}:{HEAD_PORT}",
-                            "--prefill", "1", "--decode", "1", "--host", head, "--port", str(ROUTER_PORT),
-                            "--metrics-port", str(METRICS_PORT), *WORKER_FLAGS],
-                        env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True)
-    output: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in serve.stdout:
-            output.append(line)
-            if line.startswith("ready:"):
-                ready.set()
-        ready.set()
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        assert ready.wait(600) and serve.poll() is None, "".join(output[-40:])
+    with ray_hosts.serve("--prefill", "1", "--decode", "1", "--host", head, "--port", str(ROUTER_PORT),
+                         "--metrics-port", str(METRICS_PORT), *WORKER_FLAGS) as output:
         workers = next(line for line in output if line.startswith("workers:"))
         # each pool on the node that declares it, at the address Ray knows that node by
         assert re.search(rf"prefill {re.escape(hosts.addresses[1])}:\d+", workers), workers
@@ -61,13 +42,11 @@ def test_serve_places_pools_on_their_hosts_and_kv_crosses_the_link(ray_hosts, tm
         assert have["usage"]["prompt_tokens"] > 200
         metrics = dict(re.findall(r"(prefill|decode) worker metrics at (\S+)", "".join(output)))
         assert set(metrics) == {"prefill", "decode"}
-        probe = [sys.executable, "-c", "import sys, urllib.request; "
-                 "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"]
-        prefill_metrics = hosts.run(1, [*probe, metrics["prefill"]], timeout=60, capture_output=True, text=True)
+        prefill_metrics = hosts.run(1, [*PROBE, metrics["prefill"]], timeout=60, capture_output=True, text=True)
         assert metric_text_value(prefill_metrics.stdout, "pdserve:prompt_tokens_total") >= 200  # host 2 prefilled
         deadline = time.monotonic() + 30
         while True:  # the leak check, through the router's view of every worker
-            router = hosts.run(1, [*probe, f"http://{head}:{METRICS_PORT}/metrics"], timeout=60,
+            router = hosts.run(1, [*PROBE, f"http://{head}:{METRICS_PORT}/metrics"], timeout=60,
                                capture_output=True, text=True).stdout
             held = [metric_text_value(router, name, role=role) for role in ("prefill", "decode")
                     for name in ("pdserve:worker_kv_blocks_used", "pdserve:worker_num_requests")]
@@ -75,14 +54,6 @@ def test_serve_places_pools_on_their_hosts_and_kv_crosses_the_link(ray_hosts, tm
                 break
             assert time.monotonic() < deadline, held
             time.sleep(0.5)
-    finally:
-        if serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGINT)
-            try:
-                serve.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve.pid, signal.SIGKILL)
-    assert serve.returncode == 0, "".join(output[-30:])
 
 
 def metric_text_value(text: str, name: str, **labels: str) -> float:
