@@ -105,6 +105,18 @@ class BlockPool:
         if self.events is not None:
             self.events.append(BlockStored(block_hash, parent_hash))
 
+    def enable_events(self) -> None:
+        """Start recording prefix-cache events (no-op when already recording)."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """Events recorded since the last call, oldest first."""
+        events = self.events or []
+        if events:
+            self.events = []
+        return events
+
     def cached_hashes(self) -> list[int]:
         """Every hash in the prefix cache (a snapshot for routers that lost events)."""
         return list(self._cached)

@@ -17,7 +17,6 @@ proposed tokens; accepted ones pass the same stop rules one by one, rejected KV 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import torch
 
@@ -27,10 +26,8 @@ from engine.input_checks import check_params, check_prompt, check_resume
 from engine.kv_cache_manager import KVCacheManager
 from engine.model.model_config import ModelConfig
 from engine.model_files import resolve_model_path
-from engine.model_runner import ModelRunner
 from engine.outputs import CompletionCollector, RequestOutput, SampleDelta
-from engine.parallel.executor import TPExecutor
-from engine.parallel.sharding import check_tp_size
+from engine.parallel.executor import build_runner
 from engine.request import FinishReason, Request
 from engine.sample_state import SampleState, stop_reason
 from engine.sampler import SampledToken, Sampler, SampleRow, SpecRow
@@ -51,12 +48,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_path)
         self.tokenizer = Tokenizer(self.model_path)
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.executor: TPExecutor | None = None
-        """Tensor parallelism: the other ranks' processes (this process is rank 0)."""
-        if config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(config, self.model_path, self.model_config, wanted_len)
-        else:
-            self.runner = self._start_ranks(wanted_len)
+        self.runner, self.executor = build_runner(config, self.model_path, self.model_config, wanted_len)
+        """executor: with tensor parallelism, the other ranks' processes (this process is rank 0); else None."""
         capacity = self.runner.num_blocks * config.cache.block_size
         if wanted_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping", wanted_len, capacity)
@@ -89,26 +82,11 @@ class LLMEngine:
         self.num_spec_accepted_tokens = 0
         """Speculative decoding: proposed tokens the target accepted."""
 
-    def _start_ranks(self, wanted_len: int) -> ModelRunner:
-        """Start the tensor-parallel ranks and build rank 0's runner with them."""
-        check_tp_size(self.config.tensor_parallel_size, self.model_config)
-        rank_config = replace(self.config, model=str(self.model_path), max_model_len=wanted_len)
-        self.executor = TPExecutor(rank_config)
-        try:
-            runner = ModelRunner(rank_config, self.model_path, self.model_config, wanted_len, tp=self.executor.group)
-            self.executor.wait_ready(runner.num_blocks)
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        runner.peers = self.executor
-        return runner
-
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do with one rank). The engine cannot step afterwards."""
         if self.executor is not None:
             self.executor.shutdown()
-            self.executor = None
-            self.runner.peers = None
+            self.executor = self.runner.peers = None
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -198,16 +176,11 @@ class LLMEngine:
 
     def enable_kv_events(self) -> None:
         """Start recording prefix-cache events (taken with `take_kv_events`)."""
-        if self.kv.pool.events is None:
-            self.kv.pool.events = []
+        self.kv.pool.enable_events()
 
     def take_kv_events(self) -> list:
         """Prefix-cache events since the last call, oldest first (engine/kv_events.py)."""
-        events = self.kv.pool.events
-        if not events:
-            return []
-        self.kv.pool.events = []
-        return events
+        return self.kv.pool.take_events()
 
     def cached_block_hashes(self) -> list[int]:
         return self.kv.pool.cached_hashes()

@@ -23,13 +23,12 @@ import socket
 import sys
 import tempfile
 import threading
-import time
 
 from pdserve.cluster_auth import ClusterAuthConfig
 from pdserve.cluster_auth.dev_pki import make_cluster_pki
 from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
 from pdserve.cluster_auth.tls import InternalTLSConfig
-from pdserve.cluster_supervisor import Add, NodeSupervisor, Remove, WorkerSlot, eligible_nodes
+from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, eligible_nodes, supervise
 from router.config import RouterConfig
 from router.server import RouterServer, WorkersUnreachable
 from worker_runtime.config import WorkerConfig
@@ -37,8 +36,6 @@ from worker_runtime.config import WorkerConfig
 logger = logging.getLogger(__name__)
 ACTOR_MAX_RESTARTS = 3
 WORKER_START_TIMEOUT_S = 900.0  # first start may convert the model and build the CPU kernel
-SUPERVISE_INTERVAL_S = 1.0
-"""How often a joined cluster's worker slots are checked for node loss (pdserve/cluster_supervisor.py)."""
 
 
 class WorkerProcess:
@@ -308,6 +305,11 @@ class RayCluster:
             ray.shutdown()
 
 
+def supervisor_for(cluster: RayCluster) -> NodeSupervisor:
+    """The node supervisor of a joined cluster's worker slots, with the cluster as its Ray backend."""
+    return NodeSupervisor(cluster.slots, cluster, cluster.use_gpu, cluster.declared_roles)
+
+
 def probe_node_slots(nodes: list[dict], timeout_s: float = 120) -> list[NodeSlot]:
     """For each node: its address as Ray knows it and two ports picked free on the node itself."""
     import ray
@@ -380,7 +382,8 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
     thread = None
     if cluster is not None and cluster.joined:  # a private cluster: Ray restarts actors in place
         supervising.set()
-        thread = threading.Thread(target=_supervise, args=(cluster, router, asyncio.get_running_loop(), supervising),
+        thread = threading.Thread(target=supervise, args=(supervisor_for(cluster), router.pool,
+                                                             asyncio.get_running_loop(), supervising),
                                   name="node-supervisor", daemon=True)
         thread.start()
     try:
@@ -393,28 +396,3 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
     await router.drain()
     await router.stop()
     return 0
-
-
-def _supervise(cluster: RayCluster, router: RouterServer, loop: asyncio.AbstractEventLoop,
-               supervising: threading.Event) -> None:
-    """Thread body: every SUPERVISE_INTERVAL_S a NodeSupervisor tick (Ray calls block), its pool
-    changes applied on the router's loop."""
-    supervisor = NodeSupervisor(cluster.slots, cluster, cluster.use_gpu, cluster.declared_roles)
-    while supervising.is_set():
-        time.sleep(SUPERVISE_INTERVAL_S)
-        if not supervising.is_set():
-            return
-        try:
-            changes = supervisor.tick(time.monotonic())
-            if changes:
-                asyncio.run_coroutine_threadsafe(_apply(router.pool, changes), loop).result(timeout=60)
-        except Exception:  # noqa: BLE001 - never let supervision die
-            logger.exception("node supervision failed")
-
-
-async def _apply(pool, changes: list[Remove | Add]) -> None:
-    for change in changes:
-        if isinstance(change, Remove):
-            await pool.remove(change.address)
-        else:
-            await pool.add(change.address, change.role)

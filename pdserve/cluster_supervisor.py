@@ -11,18 +11,23 @@ under the same NodeID, so Ray alone cannot bring that worker back. The superviso
     STARTING --(its node dies, or the worker fails to start)--> LOST (re-placed after a pause)
 
 A slot that becomes LOST leaves the router's pool (`Remove`); one that reaches RUNNING joins it
-(`Add`). The decisions here take a `Backend` (Ray in `pdserve.cluster.RayBackend`, a fake in the
+(`Add`). The decisions here take a `Backend` (Ray in `pdserve.cluster.RayCluster`, a fake in the
 tests), so this module needs no Ray.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import logging
+import threading
+import time
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_FAILED_START_S = 10.0
+SUPERVISE_INTERVAL_S = 1.0
+"""How often `supervise` ticks."""
 
 
 class SlotState(enum.Enum):
@@ -182,3 +187,26 @@ class NodeSupervisor:
         slot.node_id, slot.state = node["NodeID"], SlotState.STARTING
         logger.warning("%s worker being placed on node %s (%s)", slot.role, node["NodeID"][:12],
                        node.get("NodeManagerAddress"))
+
+
+def supervise(supervisor: NodeSupervisor, pool, loop: asyncio.AbstractEventLoop, running: threading.Event) -> None:
+    """Thread body while `running` is set: a tick every SUPERVISE_INTERVAL_S (the backend's calls may
+    block), its changes applied to the router's worker `pool` on the router's event loop."""
+    while running.is_set():
+        time.sleep(SUPERVISE_INTERVAL_S)
+        if not running.is_set():
+            return
+        try:
+            changes = supervisor.tick(time.monotonic())
+            if changes:
+                asyncio.run_coroutine_threadsafe(_apply(pool, changes), loop).result(timeout=60)
+        except Exception:  # noqa: BLE001 - never let supervision die
+            logger.exception("node supervision failed")
+
+
+async def _apply(pool, changes: list[Remove | Add]) -> None:
+    for change in changes:
+        if isinstance(change, Remove):
+            await pool.remove(change.address)
+        else:
+            await pool.add(change.address, change.role)

@@ -149,3 +149,51 @@ def test_lost_reason():
     assert lost_reason(slot, {"d1"}, False) is None
     assert "no longer alive" in lost_reason(slot, {"d2"}, False)
     assert "died" in lost_reason(slot, {"d1"}, True)
+
+
+def test_supervise_applies_each_ticks_changes_to_the_pool_on_its_loop(monkeypatch):
+    """The thread body: ticks until stopped, each tick's Remove/Add applied in order on the router's loop;
+    a tick that raises is logged and supervision goes on."""
+    import asyncio
+    import threading
+
+    from pdserve import cluster_supervisor
+
+    monkeypatch.setattr(cluster_supervisor, "SUPERVISE_INTERVAL_S", 0.01)
+    running = threading.Event()
+    running.set()
+    ticks = iter([[Remove("decode", "10.0.0.3:1")], RuntimeError("ray hiccup"), [Add("decode", "10.0.0.3:2")]])
+
+    class Supervisor:
+        def tick(self, now):
+            step = next(ticks, [])
+            if isinstance(step, Exception):
+                raise step
+            if not step:
+                running.clear()
+            return step
+
+    class Pool:
+        def __init__(self):
+            self.calls, self.threads = [], set()
+
+        async def remove(self, address):
+            self.calls.append(("remove", address))
+            self.threads.add(threading.get_ident())
+
+        async def add(self, address, role):
+            self.calls.append(("add", address, role))
+            self.threads.add(threading.get_ident())
+
+    async def main(pool):
+        thread = threading.Thread(target=cluster_supervisor.supervise,
+                                  args=(Supervisor(), pool, asyncio.get_running_loop(), running))
+        thread.start()
+        while thread.is_alive():
+            await asyncio.sleep(0.01)
+        return threading.get_ident()
+
+    pool = Pool()
+    loop_thread = asyncio.run(main(pool))
+    assert pool.calls == [("remove", "10.0.0.3:1"), ("add", "10.0.0.3:2", "decode")]
+    assert pool.threads == {loop_thread}  # applied on the router's loop, not the supervisor's thread

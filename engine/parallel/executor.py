@@ -37,6 +37,9 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
+from engine.model.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.parallel.sharding import check_tp_size
 from engine.parallel.tp_group import TPGroup, host_store
 
 logger = logging.getLogger(__name__)
@@ -60,9 +63,6 @@ def rank_device(device: str, rank: int) -> str:
 def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig, conn) -> None:
     """Rank `rank` (>= 1): join the group, load this rank's shard, then run the steps rank 0 sends until
     "stop" (or until its pipe closes). `config` is rank 0's, with the model path and max_model_len resolved."""
-    from engine.model.model_config import ModelConfig
-    from engine.model_runner import ModelRunner
-
     try:
         torch.set_num_threads(rank_threads(world_size))
         config = replace(config, device=rank_device(config.device, rank))
@@ -90,6 +90,25 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
         with contextlib.suppress(Exception):
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         raise
+
+
+def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
+                 max_model_len: int) -> tuple[ModelRunner, TPExecutor | None]:
+    """The engine's ModelRunner and, with tensor_parallel_size > 1, the executor of the other ranks
+    (started here; rank 0's runner is built beside them). Returns (runner, executor or None)."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, model_path, model_config, max_model_len), None
+    check_tp_size(config.tensor_parallel_size, model_config)
+    config = replace(config, model=str(model_path), max_model_len=max_model_len)
+    executor = TPExecutor(config)
+    try:
+        runner = ModelRunner(config, model_path, model_config, max_model_len, tp=executor.group)
+        executor.wait_ready(runner.num_blocks)
+    except BaseException:
+        executor.shutdown()
+        raise
+    runner.peers = executor
+    return runner, executor
 
 
 class TPExecutor:
