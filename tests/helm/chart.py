@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,3 +71,11 @@ def pod_specs(objs: list[dict]) -> list[tuple[str, dict]]:
             specs.append((name + "/head", o["spec"]["headGroupSpec"]["template"]["spec"]))
             specs += [(f"{name}/{g['groupName']}", g["template"]["spec"]) for g in o["spec"]["workerGroupSpecs"]]
     return specs
+
+
+def assert_schema_refuses(setting: str, message: str) -> None:
+    """`helm template --set SETTING` fails the values schema, with `message` in what helm says."""
+    with pytest.raises(ValueError) as refused:
+        template("--set", setting)
+    assert "values don't meet the specifications of the schema" in str(refused.value)
+    assert message in str(refused.value)
