@@ -3,8 +3,9 @@
 On CPU, torch's `F.linear` hands oneDNN (bf16) or MKL (float32) a plain row-major
 weight, re-laid out or blocked on every call; at decode batch sizes that costs more
 than the multiply. Packing once at load time (what torch.compile's CPU freezing and
-vLLM's CPU engine do) makes bf16 linears 1.3-3x faster, and float32 ones 1.5-6x at
-2-64 rows on an AVX2 EPYC (`bench/linear_shapes.py`; about equal at 256-2,048 rows).
+vLLM's CPU engine do) makes bf16 linears 1.3-3x faster; in float32 on an AVX2 EPYC
+(`bench/linear_shapes.py`) the LM head 1.5-4x at 1-64 rows and the layer linears up to
+1.35x at 2-64 rows, about equal at 256-2,048 rows; decode-heavy runs 1.37x end to end.
 Packed results differ from `F.linear` by summation order only (float32: ~1e-6).
 CUDA keeps `F.linear`. If packing is unavailable (oneDNN runs bf16 only on CPUs with
 AVX-512 BW/VL/DQ or AVX-NE-CONVERT, so not on AVX2-only ones) or its probe disagrees
