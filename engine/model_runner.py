@@ -13,6 +13,7 @@ from engine.model.kv_scales import load_kv_scales
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.model_config import ModelConfig
 from engine.paged_inputs import PagedInputBuilder
+from engine.parallel import shared_kv
 from engine.parallel.tp_group import TPGroup
 from engine.scheduler import SchedulerOutput
 from engine.varlen_inputs import VarlenInputBuilder
@@ -48,10 +49,15 @@ class ModelRunner:
         self.num_blocks = config.cache.num_blocks or max(1, self._kv_cache_bytes(model_config) // block_bytes)
         if tp is not None:
             self.num_blocks = tp.min(self.num_blocks)
-        self.kv_cache = torch.zeros(
-            (self.num_blocks, model_config.num_layers, 2, self.block_size,
-             model_config.num_kv_heads, model_config.head_dim),
-            dtype=self.kv_dtype, device=self.device)
+        kv_shape = (self.num_blocks, model_config.num_layers, 2, self.block_size,
+                    model_config.num_kv_heads, model_config.head_dim)
+        self.kv_export = None
+        """Ranks 1..N-1 of a tensor-parallel engine: the handle rank 0 maps this rank's KV cache with."""
+        if tp is not None and tp.rank > 0:
+            self.kv_cache, self._kv_memory = shared_kv.allocate(kv_shape, self.kv_dtype, self.device)
+            self.kv_export = shared_kv.export(self.kv_cache, self._kv_memory)
+        else:
+            self.kv_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d bytes per block, %s, %s)", self.num_blocks,
                     self.block_size, self.num_blocks * block_bytes / 2**20, block_bytes, self.kv_dtype, self.device)
         self.graphs = None
@@ -156,6 +162,11 @@ class ModelRunner:
         """Another tensor-parallel rank's share of rank 0's step: the same block copies and inputs."""
         self._copy_blocks(block_copies)
         return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    def kv_shards(self) -> list[torch.Tensor]:
+        """Every rank's KV cache, rank order (rank 0's is this runner's): what the worker's KV transfer
+        moves, kv_transfer.ShardedKV when there is more than one. One rank: [kv_cache]."""
+        return [self.kv_cache] + (self.peers.kv_shards if self.peers is not None else [])
 
     def _copy_blocks(self, block_copies) -> None:
         for src, dst in block_copies:

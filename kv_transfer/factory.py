@@ -42,16 +42,19 @@ class Selection:
 
 def select_backend(requested: str, device: str, nixl_problem: str | None,
                    nixl_reason: str = "nixl imports and its loopback self-test transfer succeeded",
-                   staging: str = "auto") -> Selection:
+                   staging: str = "auto", sharded: bool = False) -> Selection:
     """The data path of a side whose pool lives on ``device`` (``"cpu"``/``"cuda"``).
 
     ``nixl_problem`` is None when a NIXL side was built (and passed its self-test,
-    if asked), else why not; it is ignored when ``requested == "tcp"``. Raises
+    if asked), else why not; it is ignored when ``requested == "tcp"``. ``sharded``: a
+    tensor-parallel worker's pool (:mod:`~kv_transfer.sharded`), which only TCP moves. Raises
     :class:`BackendUnavailableError` only when NIXL was requested and cannot run.
     """
-    staged = staging == "always" or device != "cpu"
+    staged = staging == "always" or device != "cpu" or sharded
     how = ""
-    if device != "cpu":
+    if sharded:
+        how = "; each block's KV heads are gathered from (scattered to) the tensor-parallel ranks in staging buffers"
+    elif device != "cpu":
         how = f"; {device.upper()} KV moves through pinned host staging buffers"
     elif staged:
         how = "; host KV staged through host buffers (staging='always')"
@@ -77,11 +80,15 @@ def make_receiver(kv_cache: Any, layout: KVLayout,
 
 
 def _make(role: str, kv_cache: Any, layout: KVLayout, config: KVTransferConfig):
-    device = KVRegion.from_buffer(kv_cache, layout).device  # a bad pool is the caller's error
+    region = KVRegion.from_buffer(kv_cache, layout)  # a bad pool is the caller's error
+    device = region.device
     side, problem, reason = None, None, ""
-    if config.backend != "tcp":
+    if region.sharded:
+        problem = (f"nixl not used: a tensor-parallel pool ({kv_cache.num_shards} ranks' KV heads) is no single "
+                   "memory region to register")
+    elif config.backend != "tcp":
         side, problem, reason = _try_nixl(role, kv_cache, layout, config)
-    selection = select_backend(config.backend, device, problem, reason, config.staging)
+    selection = select_backend(config.backend, device, problem, reason, config.staging, region.sharded)
     if selection.backend == "tcp":
         from .tcp_backend import TcpReceiver, TcpSender
         side = (TcpSender if role == "sender" else TcpReceiver)(kv_cache, layout, config)

@@ -50,7 +50,7 @@ class ControlReceiver(KVReceiver):
         self._closed = False
 
     def _make_ipc_puller(self) -> IpcPuller | None:
-        if not (self.region.is_cuda and self.config.cuda_ipc):
+        if not (self.region.is_cuda and self.config.cuda_ipc) or self.region.sharded:
             return None
         try:
             return IpcPuller(self.region)

@@ -112,7 +112,7 @@ class ControlSender(KVSender):
         """Release backend resources (deregister memory)."""
 
     def _export_ipc(self) -> dict | None:
-        if not (self.region.is_cuda and self.config.cuda_ipc):
+        if not (self.region.is_cuda and self.config.cuda_ipc) or self.region.sharded:
             return None
         try:
             return export_region(self.region)

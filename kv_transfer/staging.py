@@ -214,8 +214,16 @@ class CudaCopier:
             handle.synchronize()
 
 
-#: Copier class per ``KVRegion.device``.
+#: Copier class per ``KVRegion.device`` (a tensor-parallel pool: :class:`~kv_transfer.sharded.ShardedCopier`).
 COPIERS: dict[str, type] = {"cpu": HostCopier, "cuda": CudaCopier}
+
+
+def copier_class(region: KVRegion) -> type:
+    """The copier that stages ``region``'s blocks."""
+    if region.sharded:
+        from .sharded import ShardedCopier
+        return ShardedCopier
+    return COPIERS[region.device]
 
 
 class Stager:
@@ -228,7 +236,7 @@ class Stager:
     def __init__(self, region: KVRegion, batch_blocks: int, shared: bool = False) -> None:
         self.batch_blocks = batch_blocks
         self.block_nbytes = region.block_nbytes
-        self.copier = COPIERS[region.device](region)
+        self.copier = copier_class(region)(region)
         nbytes = batch_blocks * region.block_nbytes
         self.shared: list[SharedBuffer] = []
         try:
@@ -287,7 +295,7 @@ class StagingPool:
         self.region = region
         self.shared = shared
         #: Mappings of a peer's shared buffers must be page-locked too (CUDA pools).
-        self.copier_pins = COPIERS[region.device].pin
+        self.copier_pins = region.is_cuda
         self.batch_blocks = max(1, chunk_bytes // region.block_nbytes)
         self._free: list[Stager] = []
         self._lock = threading.Lock()
@@ -340,7 +348,7 @@ class StagingPool:
 
 def needs_staging(region: KVRegion, staging: str) -> bool:
     """Whether the TCP data path must (or, with ``"always"``, should) stage ``region``."""
-    return staging == "always" or not region.is_host
+    return staging == "always" or not region.is_host  # device memory, or a tensor-parallel pool
 
 
 def make_staging(region: KVRegion, staging: str, chunk_bytes: int, shared: bool = False) -> StagingPool | None:

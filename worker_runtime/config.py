@@ -65,9 +65,6 @@ class WorkerConfig:
             raise ValueError("pull_timeout_s must be shorter than lease_s")
         if self.max_num_requests < 1:
             raise ValueError("max_num_requests must be >= 1")
-        if self.engine.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported in prefill/decode workers yet: their "
-                             "KV transfer moves one process's KV cache, and each rank holds only its KV heads")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.redis_password_file is not None and not os.access(self.redis_password_file, os.R_OK):

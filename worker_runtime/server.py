@@ -19,6 +19,7 @@ from decode_worker.decode_loop import DecodeLoop
 from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVLayout, make_receiver, make_sender
+from kv_transfer.sharded import ShardedKV
 from kv_transfer.tls import KVTLSFiles
 from pdserve.cluster_auth.grpc_auth import server_interceptors
 from pdserve.cluster_auth.secret import warn_if_exposed
@@ -61,7 +62,8 @@ class WorkerServer:
         if config.role == "prefill":  # it stops every request at its first token: nothing to speculate
             engine_config = dataclasses.replace(engine_config, speculative=SpeculativeConfig())
         self.engine = await aio.run_in_executor(None, LLMEngine, engine_config)
-        kv_cache = self.engine.runner.kv_cache
+        shards = self.engine.runner.kv_shards()  # one per tensor-parallel rank
+        kv_cache = shards[0] if len(shards) == 1 else ShardedKV(shards)
         layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name, self.engine.runner.kv_scales)
         keys = config.auth.load()  # read here, in the worker's process: never carried in its arguments
         warn_if_exposed(f"{config.role} worker gRPC", config.host, keys)
@@ -149,6 +151,8 @@ class WorkerServer:
             self._loop_thread.join(timeout=10)
         if self._transfer_side is not None:
             self._transfer_side.close()
+        if self.engine is not None:
+            self.engine.shutdown()  # the tensor-parallel ranks, if any
         if self._metrics is not None:
             self._metrics.close()
 

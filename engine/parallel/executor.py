@@ -3,8 +3,9 @@
 Lifecycle. The engine process is rank 0: its `TPExecutor` hosts the rendezvous store, spawns ranks
 1..N-1 (`run_rank`, torch.multiprocessing's spawn context, daemon processes) and joins the group.
 Every rank then builds its own ModelRunner: its weight shards, a KV cache of its num_kv_heads / N
-heads for every block (the block count is the smallest any rank can hold). The scheduler, block
-tables, KV cache manager and sampler exist once, on rank 0.
+heads for every block (the block count is the smallest any rank can hold), which ranks 1..N-1 keep
+in memory rank 0 maps (shared_kv.py: the worker's KV transfer runs in rank 0 and moves every rank's
+heads). The scheduler, block tables, KV cache manager and sampler exist once, on rank 0.
 
 Each step rank 0 builds the step's tensors as with one rank, sends them (with the step's block
 copies) down a pipe to every other rank, pickled once; then all ranks run the same forward, meeting
@@ -39,6 +40,7 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.parallel import shared_kv
 from engine.parallel.sharding import check_tp_size
 from engine.parallel.tp_group import TPGroup, host_store
 
@@ -72,7 +74,7 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
         group = TPGroup.connect(rank, world_size, init_method, device)
         model_config = ModelConfig.from_dir(config.model)
         runner = ModelRunner(config, config.model, model_config, config.max_model_len, tp=group)
-        conn.send_bytes(pickle.dumps(("ready", runner.num_blocks)))
+        conn.send_bytes(pickle.dumps(("ready", runner.num_blocks, runner.kv_export)))
         while True:
             try:
                 message = pickle.loads(conn.recv_bytes())
@@ -117,6 +119,9 @@ class TPExecutor:
     def __init__(self, config: EngineConfig) -> None:
         """`config`: the engine's, with `model` a resolved directory and `max_model_len` set."""
         self.world_size = config.tensor_parallel_size
+        self.kv_shards: list[torch.Tensor] = []
+        """The KV caches of ranks 1..N-1, mapped here (engine/parallel/shared_kv.py)."""
+        self._kv_mappings: list = []
         self._threads = torch.get_num_threads()
         torch.set_num_threads(rank_threads(self.world_size))
         device = torch.device(rank_device(config.device, 0))
@@ -150,11 +155,14 @@ class TPExecutor:
                 self.check_alive()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"tensor-parallel rank {rank} not ready after {timeout_s:.0f} s")
-            kind, value = pickle.loads(conn.recv_bytes())
+            kind, value, *kv_handle = pickle.loads(conn.recv_bytes())
             if kind == "error":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
             if value != num_blocks:
                 raise RuntimeError(f"tensor-parallel rank {rank} has {value} KV blocks, rank 0 {num_blocks}")
+            kv_cache, mapping = shared_kv.open_handle(kv_handle[0])
+            self.kv_shards.append(kv_cache)
+            self._kv_mappings.append(mapping)
 
     def send(self, message: tuple) -> None:
         """Hand a forward ("step" or "prompt" and its arguments) to every other rank."""

@@ -1,0 +1,122 @@
+"""The KV pool of a tensor-parallel worker: every block's heads split across ranks.
+
+Rank r of a worker with N ranks holds KV heads ``[r*h, (r+1)*h)`` (``h = H / N``) of every block in
+its own tensor ``[num_blocks, num_layers, 2, block_size, h, head_dim]``; rank 0 (the worker process,
+which runs the transfer side) sees the others' tensors through shared memory
+(:mod:`engine.parallel.shared_kv`). :class:`ShardedKV` presents those N tensors as one pool of
+whole blocks ``[num_blocks, num_layers, 2, block_size, H, head_dim]``.
+
+On the wire a block is always the whole block (all H heads, in head order): what an unsharded pool
+holds, and what the layout and its compatibility hash describe. So a prefill worker of TP ``p`` and
+a decode worker of TP ``d`` exchange blocks for any ``p`` and ``d``: the sender gathers each head
+from the rank that holds it into a staging buffer (:class:`ShardedCopier`), the receiver scatters
+each head into the rank that owns it; each head crosses the link once. A sharded pool is no single
+byte range, so a side over one offers no raw-memory mode (NIXL READ of the pool, CUDA IPC): its
+blocks always go through staging buffers, and no peer ever reads a shard's bytes as a whole block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from .staging import Batch
+
+
+class ShardedKV:
+    """N rank tensors of one pool, seen as whole blocks (``shape``, ``dtype`` and ``device`` as a tensor's,
+    so :meth:`KVLayout.of_kv_cache` reads the whole-block layout off it)."""
+
+    def __init__(self, shards: Sequence[Any]) -> None:
+        shards = list(shards)
+        if not shards:
+            raise ValueError("a sharded KV pool needs at least one shard")
+        first = shards[0]
+        for r, s in enumerate(shards):
+            if s.dim() != 6 or s.shape[2] != 2:
+                raise ValueError(f"shard {r}: shape {tuple(s.shape)} is not [num_blocks, num_layers, 2, "
+                                 "block_size, heads, head_dim]")
+            if s.shape != first.shape or s.dtype != first.dtype or s.device.type != first.device.type:
+                raise ValueError(f"shard {r} ({tuple(s.shape)}, {s.dtype}, {s.device}) differs from shard 0 "
+                                 f"({tuple(first.shape)}, {first.dtype}, {first.device})")
+            if not s.is_contiguous():
+                raise ValueError(f"shard {r} is not contiguous")
+        self.shards = shards
+        self.heads_per_shard = int(first.shape[4])
+        nb, layers, _, block_size, h, head_dim = (int(d) for d in first.shape)
+        self.shape = (nb, layers, 2, block_size, h * len(shards), head_dim)
+        self.dtype = first.dtype
+        self.device = first.device
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def head_range(self, rank: int) -> tuple[int, int]:
+        """The KV heads ``[lo, hi)`` rank ``rank`` holds."""
+        return rank * self.heads_per_shard, (rank + 1) * self.heads_per_shard
+
+
+class ShardedCopier:
+    """Staging copies of a :class:`ShardedKV`: gathers whole blocks from the rank shards into a staging
+    buffer (sender) and scatters them back out (receiver), run by run of consecutive blocks. On CUDA the
+    copies run on a side stream as :class:`~kv_transfer.staging.CudaCopier`'s do (written for a GPU; CPU
+    is what the tests run)."""
+
+    def __init__(self, region: Any) -> None:
+        import torch
+        self.torch = torch
+        self.pool: ShardedKV = region.owner
+        self.block_nbytes = region.block_nbytes
+        self.block_shape = self.pool.shape[1:]
+        self.pin = self.pool.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.pool.device) if self.pin else None
+
+    def alloc(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=self.pin)
+
+    def native(self, mapping: Any) -> Any:
+        return mapping.tensor()
+
+    def view(self, buf: Any) -> memoryview:
+        return memoryview(buf.numpy())
+
+    def start(self) -> None:
+        if self.stream is not None:  # after the forward that wrote (or will reuse) these blocks
+            self.stream.wait_stream(self.torch.cuda.default_stream(self.pool.device))
+
+    def _blocks(self, buf: Any, offset: int, count: int) -> Any:
+        """``count`` whole blocks of ``buf`` from byte ``offset``, typed and shaped."""
+        return buf[offset:offset + count * self.block_nbytes].view(self.pool.dtype).view(count, *self.block_shape)
+
+    def _copy(self, buf: Any, batch: Batch, to_host: bool) -> Any:
+        torch, pool = self.torch, self.pool
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for block, count, offset in batch.runs:
+                host = self._blocks(buf, offset, count)
+                if to_host:
+                    whole = torch.cat([s[block:block + count].to(pool.device, non_blocking=self.pin)
+                                       for s in pool.shards], dim=4)
+                    host.copy_(whole, non_blocking=self.pin)
+                    continue
+                whole = host.to(pool.device, non_blocking=True) if self.pin else host
+                for r, shard in enumerate(pool.shards):
+                    lo, hi = pool.head_range(r)
+                    shard[block:block + count].copy_(whole[..., lo:hi, :], non_blocking=self.pin)
+            if self.stream is None:
+                return None
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            return event
+
+    def to_host(self, buf: Any, batch: Batch) -> Any:
+        return self._copy(buf, batch, to_host=True)
+
+    def to_device(self, buf: Any, batch: Batch) -> Any:
+        return self._copy(buf, batch, to_host=False)
+
+    def wait(self, handle: Any) -> None:
+        if handle is not None:
+            handle.synchronize()
+
