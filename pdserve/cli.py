@@ -248,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill)")
     serve.add_argument("--decode", type=int, default=1, help="decode workers")
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    for role in ("prefill", "decode"):
+        serve.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
+                           help=f"ranks of each {role} worker (default: --tensor-parallel-size); prefill and "
+                                "decode may differ, their KV moves between any two sizes")
     serve.add_argument("--internal-tls", action="store_true",
                        help="mutual TLS on router -> worker gRPC and the KV links, with a throwaway CA made at "
                             "start (needs the openssl command; one host only)")
@@ -334,7 +338,9 @@ def _prepare(args: argparse.Namespace):
     config = ClusterConfig(router=router_config_from_args(args, [], []),
                            worker=worker_config_from_args(args, "decode", standalone=False),
                            num_prefill=args.prefill, num_decode=args.decode, ray_address=args.ray_address,
-                           log_level=args.log_level.upper(), internal_tls=args.internal_tls)
+                           log_level=args.log_level.upper(), internal_tls=args.internal_tls,
+                           prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+                           decode_tensor_parallel_size=args.decode_tensor_parallel_size)
     return lambda: run_serve(config)
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -28,7 +27,8 @@ from pdserve.cluster_auth import ClusterAuthConfig
 from pdserve.cluster_auth.dev_pki import make_cluster_pki
 from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
 from pdserve.cluster_auth.tls import InternalTLSConfig
-from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, eligible_nodes, supervise
+from pdserve.cluster_placement import NodeSlot, actor_options, free_port, free_ports, pick_nodes
+from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, supervise
 from router.config import RouterConfig
 from router.server import RouterServer, WorkersUnreachable
 from worker_runtime.config import WorkerConfig
@@ -67,54 +67,6 @@ class WorkerProcess:
         return self._server.address
 
 
-def actor_options(role: str, use_gpu: bool, cluster_resources: dict) -> dict:
-    """Ray placement of one worker actor: a GPU when workers run on CUDA, and the custom
-    resource `pdserve_<role>` when the cluster declares it (the Helm chart's KubeRay worker
-    groups do), so prefill actors land on prefill pods and decode actors on decode pods."""
-    options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0}
-    if f"pdserve_{role}" in cluster_resources:
-        options["resources"] = {f"pdserve_{role}": 1}
-    return options
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on every interface of the machine this runs on."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("0.0.0.0", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeSlot:
-    """Where a worker actor of a joined cluster runs: a node, its address as Ray knows it (the one
-    routers and peers dial) and ports chosen free on that node."""
-
-    node_id: str
-    ip: str
-    ports: tuple[int, ...]
-
-
-def pick_nodes(nodes: list[dict], role: str, count: int, use_gpu: bool) -> list[dict]:
-    """Alive nodes for `count` workers of `role`, round robin: those declaring `pdserve_<role>`
-    when any does (the chart's KubeRay groups), with a GPU for CUDA workers."""
-    candidates = eligible_nodes(nodes, role, use_gpu, declared_only=False)
-    if not candidates:
-        raise RuntimeError(f"no alive Ray node can run a {role} worker"
-                           f"{' (with a GPU)' if use_gpu else ''}: {[n.get('NodeManagerAddress') for n in nodes]}")
-    return [candidates[i % len(candidates)] for i in range(count)]
-
-
 @dataclasses.dataclass
 class ClusterConfig:
     router: RouterConfig
@@ -128,7 +80,20 @@ class ClusterConfig:
     """Mutual TLS on router -> worker gRPC and the KV links, with certificates of a throwaway CA made
     at start (one host only: the files live in a private temporary directory)."""
 
+    prefill_tensor_parallel_size: int | None = None
+    """Ranks of each prefill worker (None: the worker template's --tensor-parallel-size)."""
+    decode_tensor_parallel_size: int | None = None
+    """Ranks of each decode worker (None: the worker template's); may differ from prefill's."""
+
+    def tensor_parallel_size(self, role: str) -> int:
+        size = getattr(self, f"{role}_tensor_parallel_size")
+        return self.worker.engine.tensor_parallel_size if size is None else size
+
     def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):
+            size = getattr(self, f"{role}_tensor_parallel_size")
+            if size is not None and size < 1:
+                raise ValueError(f"--{role}-tensor-parallel-size must be >= 1, got {size}")
         if self.internal_tls and self.ray_address is not None:
             raise ValueError("--internal-tls makes certificates on this machine only; with --ray-address run the "
                              "workers with --tls-cert/--tls-key/--tls-ca files present on every node")
@@ -169,11 +134,13 @@ class RayCluster:
 
         cfg = self.config
         num_workers = cfg.num_prefill + cfg.num_decode
+        num_ranks = cfg.num_prefill * cfg.tensor_parallel_size("prefill") + \
+            cfg.num_decode * cfg.tensor_parallel_size("decode")
         if not ray.is_initialized():
             if cfg.ray_address:  # "auto": the cluster `ray start` runs on this machine
                 ray.init(address=cfg.ray_address, logging_level=logging.WARNING, log_to_driver=True)
             else:  # a private cluster, never one a `ray start` left on this machine
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_workers), include_dashboard=False,
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_ranks), include_dashboard=False,
                          logging_level=logging.WARNING, log_to_driver=True)
             self._started_ray = True
         # Joining a cluster, the workers run on other machines: a head without a GPU still
@@ -211,9 +178,11 @@ class RayCluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         template, use_gpu = self._template, self.use_gpu
-        engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device)
+        tp = self.config.tensor_parallel_size(role)
+        engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device,
+                                     tensor_parallel_size=tp)
         worker = dataclasses.replace(template, role=role, num_threads=self._threads, engine=engine)
-        options = actor_options(role, use_gpu, self._resources)
+        options = actor_options(role, use_gpu, self._resources, tp)
         with_metrics = self.config.router.metrics_port is not None
         if slot is None:  # this machine: ports free here, kept across actor restarts
             host = template.host

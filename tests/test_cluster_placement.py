@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from pdserve.cluster import actor_options, free_ports, pick_nodes
+from pdserve.cluster_placement import actor_options, free_ports, pick_nodes
 
 
 def test_local_cluster_needs_nothing_but_a_cpu():
@@ -18,6 +18,23 @@ def test_roles_follow_the_worker_groups_that_declare_them():
     assert actor_options("prefill", True, kuberay) == {"num_cpus": 1, "num_gpus": 1,
                                                        "resources": {"pdserve_prefill": 1}}
     assert actor_options("decode", True, kuberay)["resources"] == {"pdserve_decode": 1}
+
+
+def test_a_tensor_parallel_worker_asks_for_a_device_per_rank_on_one_node():
+    assert actor_options("decode", True, {"GPU": 8.0}, tensor_parallel_size=4) == {"num_cpus": 1, "num_gpus": 4}
+    assert actor_options("prefill", False, {"CPU": 8.0}, tensor_parallel_size=2) == {"num_cpus": 2, "num_gpus": 0}
+
+
+def test_serve_sizes_prefill_and_decode_ranks_separately():
+    from engine.config import EngineConfig
+    from pdserve.cluster import ClusterConfig
+    from router.config import RouterConfig
+    from worker_runtime.config import WorkerConfig
+    worker = WorkerConfig(role="decode", engine=EngineConfig(tensor_parallel_size=2))
+    config = ClusterConfig(router=RouterConfig(), worker=worker, decode_tensor_parallel_size=4)
+    assert (config.tensor_parallel_size("prefill"), config.tensor_parallel_size("decode")) == (2, 4)
+    with pytest.raises(ValueError, match="--prefill-tensor-parallel-size must be >= 1"):
+        ClusterConfig(router=RouterConfig(), worker=worker, prefill_tensor_parallel_size=0)
 
 
 def _node(ip: str, alive: bool = True, **resources) -> dict:

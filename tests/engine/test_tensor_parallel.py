@@ -213,12 +213,6 @@ def test_quantized_shards_give_the_quantized_logits(tiny_qwen2_dir, quantization
     assert (two - exact).abs().mean() <= 1.2 * (one - exact).abs().mean()
 
 
-def test_workers_refuse_tensor_parallelism():
-    from worker_runtime.config import WorkerConfig
-    with pytest.raises(ValueError, match="not supported in prefill/decode workers"):
-        WorkerConfig(role="decode", engine=EngineConfig(tensor_parallel_size=2))
-
-
 def test_fp8_checkpoint_shards_equal_one_rank(tiny_qwen2_dir, tmp_path):
     """An fp8 checkpoint's weights and scales are sliced as stored: every rank dequantizes exactly its
     part of one rank's weights, so the logits agree up to summation order."""

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdserve.cluster import actor_options
+from pdserve.cluster_placement import actor_options
 from tests.helm.chart import (
     CASES,
     CHART,
