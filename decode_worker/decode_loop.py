@@ -123,6 +123,9 @@ class DecodeLoop(EngineLoop):
         self._pulling: dict[str, _Job] = {}
         self.transfers_failed = 0
         self.num_recomputed = 0
+        self.pull_bytes = 0
+        self.pull_seconds = 0.0
+        """Bytes and seconds of the completed pulls (the routers' link bandwidth estimate)."""
 
     # ---- asyncio side ------------------------------------------------------
     def decode(self, request_id: str, prompt: list[int], params: SamplingParams, source: KVSource | None,
@@ -199,6 +202,9 @@ class DecodeLoop(EngineLoop):
         del self._pulling[job.request_id]
         if state == TransferState.DONE:
             self.observe_transfer_s(time.monotonic() - job.pull_started)
+            if job.transfer.bytes_moved and job.transfer.elapsed_s:
+                self.pull_bytes += job.transfer.bytes_moved
+                self.pull_seconds += job.transfer.elapsed_s
             self.engine.add_request(job.request_id, job.prompt, job.params,
                                     first_token_id=job.source.first_token_id, cache_salt=job.cache_salt)
         else:
@@ -285,7 +291,8 @@ class DecodeLoop(EngineLoop):
     def num_requests(self) -> int:
         return super().num_requests() + len(self._pulling) + len(self._queued)
 
-    def extra_stats(self) -> dict[str, int]:
+    def extra_stats(self) -> dict[str, float]:
         return {"num_pulls": len(self._pulling) + len(self._queued), "transfers_failed": self.transfers_failed,
                 "num_kv_recomputed": self.num_recomputed,
-                "kv_bytes_moved": int(self.receiver.stats().get("bytes_moved", 0))}
+                "kv_bytes_moved": int(self.receiver.stats().get("bytes_moved", 0)),
+                "kv_pull_bytes": self.pull_bytes, "kv_pull_seconds": self.pull_seconds}

@@ -153,6 +153,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="prefix policy, decode choice: cost of not holding the prompt, in running requests")
     p.add_argument("--skip-prefill-tokens", type=int, default=32,
                    help="the decode worker prefills itself when fewer prompt tokens than this are uncached there")
+    p.add_argument("--no-link-aware-prefill", action="store_true",
+                   help="always prefill remotely, even into a decode worker whose observed KV link moves a "
+                        "token's KV slower than the prefill pool computes one")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests that may wait when every worker is saturated; more get RESOURCE_EXHAUSTED")
     p.add_argument("--queue-timeout-s", type=float, default=30.0)
@@ -194,6 +197,7 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                                                        tie_ratio=args.tie_ratio,
                                                        hold_weight=args.decode_hold_weight),
                         skip_prefill_tokens=args.skip_prefill_tokens, redis_url=args.redis_url,
+                        link_aware_prefill=not args.no_link_aware_prefill,
                         registry_ttl_s=args.registry_ttl_s, max_queue_len=args.max_queue_len,
                         queue_timeout_s=args.queue_timeout_s, retry_after_s=args.retry_after_s,
                         max_model_len=args.max_model_len, health_interval_s=args.health_interval_s,

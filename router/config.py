@@ -28,6 +28,9 @@ class RouterConfig:
     skip_prefill_tokens: int = 32
     """When the decode worker already holds all but fewer than this many prompt tokens,
     it prefills them itself (no remote prefill, no transfer). 0: always prefill remotely."""
+    link_aware_prefill: bool = True
+    """Skip remote prefill into a decode worker whose observed KV pull bandwidth moves a token's KV
+    slower than the prefill pool computes a token (router/link_estimate.py)."""
     redis_url: str | None = None
     """Share the worker registry and KV events through this Redis (workers register
     there themselves); without it the router knows the workers given here only."""

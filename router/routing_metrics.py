@@ -13,6 +13,7 @@ from router.kv_index import KvIndex
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REJECT_REASONS = ("queue_full", "queue_timeout")
+SKIP_REASONS = ("cached", "slow_link")
 
 
 class RoutingMetrics:
@@ -26,8 +27,11 @@ class RoutingMetrics:
         self.decisions = Counter("pdserve:routing_decisions", "Workers chosen, by role", ["role", "worker"],
                                  registry=registry)
         self.skipped_prefill = Counter("pdserve:remote_prefill_skipped",
-                                       "Samples the decode worker prefilled itself (prompt mostly cached there)",
-                                       registry=registry)
+                                       "Samples the decode worker prefilled itself, by reason: cached (all but a "
+                                       "few prompt tokens held there), slow_link (KV would move slower than it "
+                                       "is computed)", ["reason"], registry=registry)
+        for reason in SKIP_REASONS:
+            self.skipped_prefill.labels(reason)
         self.rejected = Counter("pdserve:request_rejected", "Samples refused by admission control, by reason",
                                 ["reason"], registry=registry)
         for reason in REJECT_REASONS:
@@ -42,8 +46,8 @@ class RoutingMetrics:
     def observe_route(self, route, waited_s: float) -> None:
         self.queue_time.observe(waited_s)
         self.decisions.labels("decode", route.decode.address).inc()
-        if not route.remote_prefill:
-            self.skipped_prefill.inc()
+        if route.skip_reason:
+            self.skipped_prefill.labels(route.skip_reason).inc()
 
     def observe_prefill(self, worker, prompt_blocks: int, cached_blocks: int) -> None:
         self.decisions.labels("prefill", worker.address).inc()

@@ -149,6 +149,11 @@ class PrefillSpeed:
             self.request_s += a * (value - self.request_s)
             self._seen_short = True
 
+    @property
+    def knows_token_s(self) -> bool:
+        """Whether `token_s` was measured (a long call seen), not the prior."""
+        return self._seen_long
+
     def estimate(self) -> tuple[float, float]:
         """(token_s, request_s)."""
         return self.token_s, self.request_s

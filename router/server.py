@@ -50,7 +50,8 @@ class RouterServer:
         self.routing_metrics = RoutingMetrics(self.metrics.registry, self.index, lambda: self.admission.num_waiting)
         self.selector = WorkerSelector(self.pool, self.index, RoutingPolicy(config.routing_policy,
                                                                             config.routing_weights),
-                                       self.admission, config.skip_prefill_tokens, self.routing_metrics)
+                                       self.admission, config.skip_prefill_tokens, self.routing_metrics,
+                                       config.link_aware_prefill)
         self.pipeline = GenerationPipeline(config, self.selector,
                                            on_migration=lambda reason: self.metrics.migrations.labels(reason).inc())
         self.keys = ApiKeys(config.security.api_key_file)

@@ -19,6 +19,7 @@ import grpc
 
 from pdserve.cluster_auth.grpc_auth import call_with_challenge, worker_channel
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
+from router.link_estimate import LinkEstimate
 from router.routing_policy import PrefillSpeed
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class WorkerClient:
     """Prefill: block hashes of this router's Prefill calls in progress, by sample id."""
     speed: PrefillSpeed = field(default_factory=PrefillSpeed, repr=False)
     """Prefill: its speed as learnt from this router's calls that found it idle."""
+    link: LinkEstimate = field(default_factory=LinkEstimate, repr=False)
+    """Decode: the observed bandwidth of KV pulls into it (router/link_estimate.py)."""
     stats: worker_pb2.WorkerStats | None = None
     last_error: str = ""
     slow_polls: int = 0
@@ -191,6 +194,8 @@ class WorkerPool:
             return
         if not worker.healthy:
             logger.info("%s worker %s in rotation", worker.role, worker.address)
+        if worker.role == "decode":
+            worker.link.observe(stats.kv_pull_bytes, stats.kv_pull_seconds)
         worker.stats = stats
         worker.in_flight_at_poll = worker.in_flight
         worker.healthy = True

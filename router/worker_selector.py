@@ -5,8 +5,9 @@ with room and reserves it, counting the sample on that worker until
 `release`. The decode choice also settles whether remote prefill is worth it:
 when the decode worker already holds all but `skip_prefill_tokens` of the
 prompt (its own prefix cache, as its KV events say), it prefills the rest
-itself. `pick_prefill` then chooses the prefill worker by the routing policy's
-cost (uncached prompt blocks, plus load).
+itself; so it does when the link into it moves KV slower than the prefill pool
+computes it (router/link_estimate.py, with `link_aware_prefill`).
+`pick_prefill` then chooses the prefill worker by the routing policy's cost (uncached prompt blocks, plus load).
 
 A prefill worker's cached blocks are what the KV index says it holds, or —
 when more — the prefix the prompt shares with a prompt this router is having
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from engine.block_hash import hash_full_blocks
 from router.admission import AdmissionQueue, AdmissionRejected
 from router.kv_index import KvIndex
+from router.link_estimate import remote_prefill_pays
 from router.routing_policy import Candidate, RoutingPolicy, routing_key
 from router.worker_pool import WorkerClient, WorkerPool
 
@@ -33,6 +35,8 @@ class Route:
     decode: WorkerClient
     """Reserved for the sample until `release`."""
     remote_prefill: bool
+    skip_reason: str = ""
+    """Why the decode worker prefills itself: "cached" (all but a few tokens held there) or "slow_link"."""
     prefill: WorkerClient | None = None
     """Set once a prefill worker is chosen (the last one tried)."""
 
@@ -43,12 +47,13 @@ class NoHealthyWorker(Exception):
 
 class WorkerSelector:
     def __init__(self, pool: WorkerPool, index: KvIndex, policy: RoutingPolicy, admission: AdmissionQueue,
-                 skip_prefill_tokens: int = 0, metrics=None) -> None:
+                 skip_prefill_tokens: int = 0, metrics=None, link_aware: bool = True) -> None:
         self.pool = pool
         self.index = index
         self.policy = policy
         self.admission = admission
         self.skip_prefill_tokens = skip_prefill_tokens
+        self.link_aware = link_aware
         self.metrics = metrics
         pool.on_change.append(admission.poke)
 
@@ -112,8 +117,22 @@ class WorkerSelector:
         worker = self.pool.get(chosen.address)
         worker.in_flight += 1
         uncached = len(prompt) - chosen.cached_blocks * self.block_size
-        remote = self.pool.has_role("prefill") and uncached >= self.skip_prefill_tokens
-        return Route(worker, remote)
+        if not self.pool.has_role("prefill"):
+            return Route(worker, False)
+        if uncached < self.skip_prefill_tokens:
+            return Route(worker, False, "cached")
+        if self.link_aware and not self._link_pays(worker, prefill) and worker.link.skip_or_probe():
+            return Route(worker, False, "slow_link")
+        return Route(worker, True)
+
+    def _link_pays(self, decode: WorkerClient, prefill: list[WorkerClient]) -> bool:
+        """Whether KV moves into `decode` at least as fast as the prefill pool computes it (per token)."""
+        stats = decode.stats
+        if stats is None or not stats.kv_block_bytes or not stats.block_size or not prefill:
+            return True
+        timed = [w.speed.estimate()[0] for w in prefill if w.speed.knows_token_s]
+        token_s = min(timed) if timed else None
+        return remote_prefill_pays(stats.kv_block_bytes / stats.block_size, decode.link.bytes_per_s, token_s)
 
     def _candidates(self, workers: list[WorkerClient], block_hashes: list[int],
                     in_progress: bool = False) -> list[Candidate]:

@@ -92,6 +92,7 @@ class WorkerServer:
         self._servicer = WorkerServicer(config, self._loop_thread, self.address,
                                         getattr(self._transfer_side, "backend_name", ""))
         self._servicer.handle_key = keys.handle if keys else None
+        self._servicer.kv_block_bytes = layout.block_nbytes
         self._servicer.grpc_key = keys.grpc if keys else None
         worker_pb2_grpc.add_WorkerServicer_to_server(self._servicer, self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])

@@ -33,6 +33,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.loop = loop
         self.address = address
         self.backend = backend
+        self.kv_block_bytes = 0
+        """Bytes of one block on the wire (kv_transfer's layout)."""
         self.draining = False
         self.in_flight = 0
         self.grpc_key: bytes | None = None
@@ -133,6 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WorkerStats(role=self.config.role, kv_transfer_backend=self.backend, draining=self.draining,
                                       max_num_requests=self.config.max_num_requests,
                                       block_size=self.config.engine.cache.block_size,
+                                      kv_block_bytes=self.kv_block_bytes,
                                       **{k: v for k, v in stats.items() if k in fields})
 
     async def SubscribeKvEvents(self, request, context):

@@ -9,7 +9,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from pdserve.chaos.processes import stop_all
-from tests.cluster.harness import assert_no_leaks, generate_routed, start_router, start_worker
+from tests.cluster.harness import assert_no_leaks, generate_routed, start_router, start_worker, worker_stats
 
 PROMPTS = [[1 + (13 * i) % 3000 for i in range(70)], list(range(200, 240)), [5, 6, 7] * 15]
 MAX_TOKENS = 8
@@ -37,5 +37,10 @@ def test_outputs_equal_across_tensor_parallel_sizes(tiny_qwen2_dir, expected, pr
             assert got["prefill"] == started[0].address  # prefilled remotely: the KV crossed TP sizes
             assert got["tokens"] == want
         assert_no_leaks(started[:2])
+        stats = worker_stats(started[1].address)  # what routers time the link with (router/link_estimate.py)
+        block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers, K/V, tokens, all KV heads, head_dim, float32
+        assert stats.kv_block_bytes == block_bytes
+        assert stats.kv_pull_bytes == sum(-(-len(p) // 16) for p in PROMPTS) * block_bytes  # every block pulled
+        assert stats.kv_pull_seconds > 0
     finally:
         stop_all(started)
