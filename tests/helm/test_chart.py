@@ -324,3 +324,19 @@ def test_kv_cache_dtype_reaches_every_engine_only_when_set(rendered):
 def test_external_redis_url_with_a_password_is_refused():
     with pytest.raises(ValueError, match="at '/redis/external/url'"):
         template("--set", "redis.mode=external", "--set", "redis.external.url=redis://:hunter2@redis:6379/0")
+
+
+def test_tensor_parallel_sizes_reach_each_pool_and_need_a_gpu_per_rank():
+    two_gpus = ("--set", "decode.tensorParallelSize=2", "--set-string", r"decode.resources.limits.nvidia\.com/gpu=2",
+                "--set-string", r"decode.resources.requests.nvidia\.com/gpu=2")
+    deployments = by_kind(objects(template(*two_gpus)), "Deployment")
+    sizes = {d["metadata"]["name"].rsplit("-", 1)[1]: c["args"][c["args"].index("--tensor-parallel-size") + 1]
+             for d in deployments for c in d["spec"]["template"]["spec"]["containers"]
+             if "--tensor-parallel-size" in c.get("args", [])}
+    assert sizes == {"prefill": "1", "decode": "2"}
+    ray = template("--set", "mode=raycluster", *two_gpus)
+    assert "--prefill-tensor-parallel-size 1\n" in ray and "--decode-tensor-parallel-size 2\n" in ray
+    with pytest.raises(ValueError, match=r"decode.tensorParallelSize=2 needs decode.resources.limits nvidia.com/gpu"
+                                         r" >= 2 \(one GPU per rank\), got 1"):
+        template("--set", "decode.tensorParallelSize=2")
+    assert_schema_refuses("prefill.tensorParallelSize=0", "at '/prefill/tensorParallelSize'")

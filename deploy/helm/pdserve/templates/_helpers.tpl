@@ -426,6 +426,9 @@ affinity: {{- toYaml . | nindent 2 }}
 {{- define "pdserve.workerArgs" -}}
 {{- $v := .root.Values -}}
 {{- $w := index $v .role -}}
+{{- include "pdserve.checkTensorParallel" (dict "root" .root "role" .role) -}}
+- --tensor-parallel-size
+- {{ $w.tensorParallelSize | quote }}
 - --host
 - 0.0.0.0
 - --port
@@ -507,5 +510,14 @@ matchExpressions:
 {{- regexFind "[0-9]+$" $hostport -}}
 {{- else -}}
 6379
+{{- end -}}
+{{- end -}}
+
+{{/* A CUDA worker of tensor-parallel size N needs N GPUs in its pod (one per rank). */}}
+{{- define "pdserve.checkTensorParallel" -}}
+{{- $w := index .root.Values .role -}}
+{{- $gpus := int (index ($w.resources.limits | default dict) "nvidia.com/gpu" | default 0) -}}
+{{- if and (eq .root.Values.model.device "cuda") (lt $gpus (int $w.tensorParallelSize)) -}}
+{{- fail (printf "%s.tensorParallelSize=%d needs %s.resources.limits nvidia.com/gpu >= %d (one GPU per rank), got %d" .role (int $w.tensorParallelSize) .role (int $w.tensorParallelSize) $gpus) -}}
 {{- end -}}
 {{- end -}}
