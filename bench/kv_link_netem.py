@@ -96,7 +96,10 @@ def shape(hosts, rate: str | None, delay: str | None) -> bool:
 
 
 def _bits_per_s(rate: str) -> float:
-    return float(rate.removesuffix("gbit")) * 1e9
+    for suffix, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate.endswith(suffix):
+            return float(rate.removesuffix(suffix)) * scale
+    raise ValueError(f"rate {rate!r}: expected a number and gbit, mbit or kbit")
 
 
 def main() -> None:
