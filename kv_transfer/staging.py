@@ -295,7 +295,7 @@ class StagingPool:
         self.region = region
         self.shared = shared
         #: Mappings of a peer's shared buffers must be page-locked too (CUDA pools).
-        self.copier_pins = region.is_cuda
+        self.copier_pins = region.is_cuda if region.sharded else COPIERS[region.device].pin
         self.batch_blocks = max(1, chunk_bytes // region.block_nbytes)
         self._free: list[Stager] = []
         self._lock = threading.Lock()
