@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,20 +35,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench.kv_link_netem import shape
-    from tests.multihost.conftest import RayHosts
-    from tests.multihost.netns import Hosts
-    hosts = Hosts(3)
-    temp = tempfile.mkdtemp(prefix="pdmb", dir="/tmp")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
-               RAY_raylet_start_wait_time_s="120", PYTHONPATH=repo)
-    cluster = RayHosts(hosts, env, temp)
-    try:
+    from tests.multihost.conftest import ray_cluster
+    with ray_cluster(PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) as cluster:
+        hosts = cluster.hosts
         link = "veth, unshaped"
         if args.rate:
             link = f"{args.rate} ({'netem' if shape(hosts, args.rate, '0.1ms') else 'tbf'})"
-        for host in (1, 2, 3):
-            cluster.start_node(host, attempts=2)
         with cluster.serve("--prefill", "1", "--decode", "1", "--host", cluster.head, "--port", str(ROUTER_PORT),
                            "--kv-transfer-backend", args.kv_transfer_backend, *ENGINE) as output:
             print("".join(line for line in output if line.startswith("workers:")), end="")
@@ -61,18 +50,12 @@ def main() -> None:
                                  "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                                  "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
                                  "--num-warmups", "2", "--no-progress", "--output", os.path.abspath(args.json)],
-                             timeout=3600, env=env, capture_output=True, text=True)
+                             timeout=3600, env=cluster.env, capture_output=True, text=True)
             print(f"link: {link}; 1 prefill worker on {hosts.addresses[1]}, 1 decode worker on {hosts.addresses[2]}, "
                   f"router on {hosts.addresses[0]}, KV backend {args.kv_transfer_backend}")
             print(done.stdout)
             if done.returncode != 0:
                 raise RuntimeError(done.stderr[-3000:])
-    finally:
-        for host in (3, 2, 1):
-            hosts.kill_all(host)
-        hosts.kill_matching(temp)
-        hosts.close()
-        shutil.rmtree(temp, ignore_errors=True)
     print(f"wrote {args.json}")
 
 

@@ -20,13 +20,11 @@ One listening socket; one thread per receiver connection. A connection goes:
 
 A connection that drops fails every transfer granted on it.
 
-Nothing a connection sends is trusted: a message over its size limit (a
-receiver's messages carry no payload; a header is bounded by what a ``read`` of
-every block needs) drops that connection before anything is allocated; a
-``hello`` must arrive whole within ``connect_timeout_s``; a connection silent for
-``idle_timeout_s`` after it is closed; at most ``max_connections`` connections
-(``max_connections_per_peer`` from one address) are served, more are refused at
-once; and the accept loop outlives any error serving one connection.
+Nothing a connection sends is trusted: a message over its size limit (a receiver's messages carry no
+payload; a header is bounded by what a ``read`` of every block needs) drops that connection before
+anything is allocated; a ``hello`` must arrive whole within ``connect_timeout_s``; a connection silent
+for ``idle_timeout_s`` after it is closed; at most ``max_connections`` connections (``max_connections_per_peer``
+from one address) are served, more are refused at once; and the accept loop outlives any error serving one.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from .staging import Batch
+from .staging import Batch, StreamCopier
 
 
 class ShardedKV:
@@ -58,7 +58,7 @@ class ShardedKV:
         return rank * self.heads_per_shard, (rank + 1) * self.heads_per_shard
 
 
-class ShardedCopier:
+class ShardedCopier(StreamCopier):
     """Staging copies of a :class:`ShardedKV`: gathers whole blocks from the rank shards into a staging
     buffer (sender) and scatters them back out (receiver), run by run of consecutive blocks. On CUDA the
     copies run on a side stream as :class:`~kv_transfer.staging.CudaCopier`'s do (written for a GPU; CPU
@@ -109,14 +109,4 @@ class ShardedCopier:
             event = torch.cuda.Event()
             event.record(self.stream)
             return event
-
-    def to_host(self, buf: Any, batch: Batch) -> Any:
-        return self._copy(buf, batch, to_host=True)
-
-    def to_device(self, buf: Any, batch: Batch) -> Any:
-        return self._copy(buf, batch, to_host=False)
-
-    def wait(self, handle: Any) -> None:
-        if handle is not None:
-            handle.synchronize()
 

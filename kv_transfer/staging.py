@@ -115,7 +115,25 @@ class HostCopier:
         """Block until the copy behind ``handle`` finished."""
 
 
-class CudaCopier:
+class StreamCopier:
+    """Copiers whose copies return a completion handle (a CUDA event, or None when done at once):
+    `to_host` / `to_device` are `_copy` one way or the other."""
+
+    def _copy(self, buf: Any, batch: Batch, to_host: bool) -> Any:
+        raise NotImplementedError
+
+    def to_host(self, buf: Any, batch: Batch) -> Any:
+        return self._copy(buf, batch, to_host=True)
+
+    def to_device(self, buf: Any, batch: Batch) -> Any:
+        return self._copy(buf, batch, to_host=False)
+
+    def wait(self, handle: Any) -> None:
+        if handle is not None:
+            handle.synchronize()
+
+
+class CudaCopier(StreamCopier):
     """A torch CUDA pool: async copies on a side stream into pinned buffers."""
 
     def __init__(self, region: KVRegion) -> None:
@@ -202,16 +220,6 @@ class CudaCopier:
         else:
             scratch.copy_(buf[:nbytes], non_blocking=True)
             copy_blocks(self._rows, rows, dev_ids, self._slots[:n])
-
-    def to_host(self, buf: Any, batch: Batch) -> Any:
-        return self._copy(buf, batch, to_host=True)
-
-    def to_device(self, buf: Any, batch: Batch) -> Any:
-        return self._copy(buf, batch, to_host=False)
-
-    def wait(self, handle: Any) -> None:
-        if handle is not None:
-            handle.synchronize()
 
 
 #: Copier class per ``KVRegion.device`` (a tensor-parallel pool: :class:`~kv_transfer.sharded.ShardedCopier`).

@@ -92,12 +92,14 @@ class RayHosts:
         return self.hosts.run(host, argv, timeout=180, env=self.env, capture_output=True, text=True)
 
 
-@pytest.fixture(scope="module")
-def ray_hosts():
+@contextlib.contextmanager
+def ray_cluster(**env: str):
+    """Three hosts with a Ray node each (RayHosts.start_node), torn down on exit; `env` is added to the
+    environment of every Ray process and client."""
     hosts = Hosts(3)
     temp = tempfile.mkdtemp(prefix="pdmh", dir="/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
-               RAY_raylet_start_wait_time_s="120")  # the GCS's wait for a raylet: a busy machine is slow
+               RAY_raylet_start_wait_time_s="120", **env)  # the GCS's wait for a raylet: a busy machine is slow
     cluster = RayHosts(hosts, env, temp)
     try:
         for host in (1, 2, 3):
@@ -109,3 +111,9 @@ def ray_hosts():
         hosts.kill_matching(temp)
         hosts.close()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_hosts():
+    with ray_cluster() as cluster:
+        yield cluster
