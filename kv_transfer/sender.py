@@ -2,10 +2,9 @@
 
 One listening socket; one thread per receiver connection. A connection goes:
 
-0. ``auth`` (version, nonce) -> ``challenge`` (our nonce, our HMAC proof); the
-   receiver's proof comes in its ``hello`` (see :mod:`kv_transfer.auth`). Until it
-   checks out, messages are capped at ``PRE_AUTH_MAX_BYTES`` and nothing about this
-   sender (layout, pool, NIXL metadata) is sent: a refusal says only why.
+0. ``auth`` (version, nonce) -> ``challenge`` (our nonce, our HMAC proof); the receiver's proof comes in
+   its ``hello`` (see :mod:`kv_transfer.auth`). Until it checks out, messages are capped at
+   ``PRE_AUTH_MAX_BYTES`` and nothing about this sender (layout, pool, NIXL metadata) is sent.
 1. ``hello`` (proof, version, compat hash, layout, backend) -> ``hello_ok`` (+ backend
    metadata) or ``refuse`` and close: nothing else is possible before this.
 2. ``read`` (transfer id, capability, block ids) -> ``grant`` or ``refuse_read``. Only
@@ -13,10 +12,9 @@ One listening socket; one thread per receiver connection. A connection goes:
    capability :meth:`expect` issued (a wrong one is refused like an unknown id).
    After ``grant`` the backend moves the data (TCP: streamed on this connection;
    NIXL: the receiver READs the registered memory itself).
-3. ``done`` -> the sender's transfer turns DONE, only for a transfer granted on this
-   connection (NIXL also answers ``ack``, telling the receiver whether the lease
-   still held during its READ). ``abort`` -> the sender's transfer turns FAILED,
-   only for a transfer granted on this connection or with its capability.
+3. ``done`` -> the sender's transfer turns DONE, only for a transfer granted on this connection (NIXL
+   also answers ``ack``, telling the receiver whether the lease still held during its READ). ``abort``
+   -> FAILED, only for a transfer granted on this connection or with its capability.
 
 A connection that drops fails every transfer granted on it.
 
