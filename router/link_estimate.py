@@ -11,8 +11,8 @@ slower or faster, and a restarted worker (counters reset) starts over.
 tokens the decode worker lacks; computing them there instead takes their prefill time (the prefill
 pool's learnt seconds per token: the same model on the same kind of device). Both grow with the
 prompt, so the comparison is per token: when the link moves a token's KV slower than a token is
-prefilled, disaggregation would make time to first token worse than co-location, and the decode
-worker prefills the prompt itself. Without an estimate yet (no pull observed, or no prefill timed),
+prefilled, the transfer would delay the sample's second token (the first comes straight from the
+prefill worker) by more than computing the prompt takes, and the decode worker prefills it itself. Without an estimate yet (no pull observed, or no prefill timed),
 remote prefill is used as before. A link judged slow gets no pulls, so nothing would show it has
 recovered: one skipped prompt in `probe_every` still goes remote and re-measures it.
 """
@@ -49,10 +49,6 @@ class LinkEstimate:
         rate = moved / took
         self.bytes_per_s = rate if self.bytes_per_s is None else self.bytes_per_s + self.alpha * (
             rate - self.bytes_per_s)
-
-    def transfer_s(self, nbytes: int) -> float | None:
-        """Seconds to move `nbytes` at the observed rate; None without an estimate."""
-        return None if not self.bytes_per_s else nbytes / self.bytes_per_s
 
 
 def remote_prefill_pays(kv_bytes_per_token: float, link_bytes_per_s: float | None,
