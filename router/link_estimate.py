@@ -13,9 +13,9 @@ pool's learnt seconds per token: the same model on the same kind of device). Bot
 prompt, so the comparison is per token: when the link moves a token's KV slower than a token is
 prefilled, the transfer would delay the sample's second token (the first comes straight from the
 prefill worker) by more than computing the prompt takes, and the decode worker prefills it itself.
-Without an estimate yet (no pull observed, or no prefill timed),
-remote prefill is used as before. A link judged slow gets no pulls, so nothing would show it has
-recovered: one skipped prompt in `probe_every` still goes remote and re-measures it.
+Without an estimate yet (no pull observed, or no prefill timed), remote prefill is used as before. A
+link judged slow gets no pulls, so nothing would show it has recovered: one skipped prompt in
+`probe_every` still goes remote and re-measures it.
 """
 from __future__ import annotations
 
