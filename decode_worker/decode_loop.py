@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 MAX_PEER_INFO_CHARS = 4096
 MAX_TRANSFER_ID_CHARS = 256
 MAX_BLOCK_ID = 2**31 - 1
+LINK_SAMPLE_BYTES = 4 << 20
+"""Pulls at least this large count in the link counters routers estimate bandwidth from (kv_pull_bytes,
+kv_pull_seconds): in smaller ones the fixed per-pull cost (handshake, grant, thread wake-ups) outweighs
+the wire time and would read as a slow link."""
 
 
 @dataclass
@@ -125,7 +129,7 @@ class DecodeLoop(EngineLoop):
         self.num_recomputed = 0
         self.pull_bytes = 0
         self.pull_seconds = 0.0
-        """Bytes and seconds of the completed pulls (the routers' link bandwidth estimate)."""
+        """Bytes and seconds of the completed pulls of LINK_SAMPLE_BYTES or more (routers' link estimate)."""
 
     # ---- asyncio side ------------------------------------------------------
     def decode(self, request_id: str, prompt: list[int], params: SamplingParams, source: KVSource | None,
@@ -202,7 +206,7 @@ class DecodeLoop(EngineLoop):
         del self._pulling[job.request_id]
         if state == TransferState.DONE:
             self.observe_transfer_s(time.monotonic() - job.pull_started)
-            if job.transfer.bytes_moved and job.transfer.elapsed_s:
+            if job.transfer.bytes_moved >= LINK_SAMPLE_BYTES and job.transfer.elapsed_s:
                 self.pull_bytes += job.transfer.bytes_moved
                 self.pull_seconds += job.transfer.elapsed_s
             self.engine.add_request(job.request_id, job.prompt, job.params,

@@ -1,11 +1,12 @@
 """How fast KV reaches a decode worker, and whether remote prefill still pays on that link.
 
-A decode worker reports, in its stats, the bytes and seconds of the KV pulls it completed since it
-started (`kv_pull_bytes`, `kv_pull_seconds`: each pull from its start to its last byte, handshake and
-grant included). `LinkEstimate` turns the growth of the two between polls into the observed bandwidth
-of the links into that worker: an exponentially weighted average over polls that saw at least
-`min_bytes` move (fewer bytes time mostly the fixed per-pull cost), so it follows a link that gets
-slower or faster, and a restarted worker (counters reset) starts over.
+A decode worker reports, in its stats, the bytes and seconds of the KV pulls of 4 MiB or more it
+completed since it started (`kv_pull_bytes`, `kv_pull_seconds`: each pull from its start to its last
+byte, handshake and grant included; in smaller pulls those fixed costs outweigh the wire time).
+`LinkEstimate` turns the growth of the two between polls into the observed bandwidth of the links into
+that worker: an exponentially weighted average over polls that saw at least `min_bytes` move (fewer
+bytes time mostly the fixed per-pull cost), so it follows a link that gets slower or faster, and a
+restarted worker (counters reset) starts over.
 
 `remote_prefill_pays` is the router's decision for one prompt. Remote prefill moves the KV of the
 tokens the decode worker lacks; computing them there instead takes their prefill time (the prefill

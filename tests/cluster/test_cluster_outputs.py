@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from decode_worker.decode_loop import LINK_SAMPLE_BYTES
 from pdserve.protocol import generate_pb2
-from tests.cluster.harness import WORKER_FLAGS, assert_no_leaks, generation_stub
+from tests.cluster.harness import WORKER_FLAGS, assert_no_leaks, generation_stub, worker_stats
 
 REQUESTS = [
     {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32},
@@ -61,6 +62,10 @@ def test_cluster_outputs_equal_offline_engine(topology, offline_results, workers
         assert got[key]["finish_reason"] == want["finish_reason"], key
         assert got[key]["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], key
     assert got[("stop", None)]["finish_reason"] in ("stop_string", "length")
+    # the long prompt's pull (25 blocks, 18 MB) is large enough to time the link (router/link_estimate.py)
+    pulls = [worker_stats(w.address) for w in workers["decode"]]
+    assert sum(s.kv_pull_bytes for s in pulls) >= LINK_SAMPLE_BYTES
+    assert all(s.kv_pull_seconds > 0 and s.kv_pull_bytes % s.kv_block_bytes == 0 for s in pulls if s.kv_pull_bytes)
     assert got[("one", None)]["usage"]["completion_tokens"] == 1
     assert_no_leaks(workers["prefill"] + workers["decode"])
 
