@@ -95,15 +95,20 @@ class ShardedCopier(StreamCopier):
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for block, count, offset in batch.runs:
                 host = self._blocks(buf, offset, count)
-                if to_host:
-                    whole = torch.cat([s[block:block + count].to(pool.device, non_blocking=self.pin)
-                                       for s in pool.shards], dim=4)
-                    host.copy_(whole, non_blocking=self.pin)
-                    continue
-                whole = host.to(pool.device, non_blocking=True) if self.pin else host
+                # CPU: each shard's heads straight to/from their slice of the staging buffer (one copy);
+                # CUDA: through a contiguous device buffer, so one host<->device copy moves the run
+                whole = torch.empty_like(host, device=pool.device) if self.pin else host
+                if self.pin and not to_host:
+                    whole.copy_(host, non_blocking=True)
                 for r, shard in enumerate(pool.shards):
                     lo, hi = pool.head_range(r)
-                    shard[block:block + count].copy_(whole[..., lo:hi, :], non_blocking=self.pin)
+                    part = shard[block:block + count]
+                    if to_host:
+                        whole[..., lo:hi, :].copy_(part, non_blocking=self.pin)
+                    else:
+                        part.copy_(whole[..., lo:hi, :], non_blocking=self.pin)
+                if self.pin and to_host:
+                    host.copy_(whole, non_blocking=True)
             if self.stream is None:
                 return None
             event = torch.cuda.Event()
