@@ -39,6 +39,9 @@ class BlockPool:
         self.num_evictions = 0
         self.events: list[KVEvent] | None = None
         """When a list, every change of the prefix cache is appended to it (see kv_events)."""
+        self.registered: list[tuple[int, int, int, tuple[int, ...]]] | None = None
+        """When a list (KV tiers, engine/kv_offload/), every block entering the prefix cache is appended to it:
+        (block id, hash, parent hash, token ids)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,6 +107,8 @@ class BlockPool:
         self._cached[block_hash] = block_id
         if self.events is not None:
             self.events.append(BlockStored(block_hash, parent_hash))
+        if self.registered is not None:
+            self.registered.append((block_id, block_hash, parent_hash, block.token_ids))
 
     def enable_events(self) -> None:
         """Start recording prefix-cache events (no-op when already recording)."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from engine.kv_offload.config import OffloadConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -45,8 +47,12 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """auto (the model's dtype) or fp8 / fp8_e4m3 (float8_e4m3fn with per-layer scales: half of bf16's bytes
     per block, so twice the blocks in one budget, at a small cost in precision)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """KV tiers below the pool: evicted prefix blocks kept in host memory and on local disk."""
 
     def __post_init__(self) -> None:
+        if self.offload.enabled and not self.enable_prefix_caching:
+            raise ValueError("KV offload keeps prefix-cache blocks: it needs prefix caching on")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -160,6 +160,16 @@ class KVCacheManager:
         self._num_registered.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
 
+    def rename(self, seq_id: str, new_id: str) -> None:
+        """Move a sequence's blocks under another id (an aborted request whose blocks a load still fills)."""
+        for table in (self.block_tables, self._num_registered, self._hashes):
+            if seq_id in table:
+                table[new_id] = table.pop(seq_id)
+
+    def block_hashes(self, seq_id: str, token_ids: list[int], salt: str = "") -> list[int]:
+        """Chained hashes of the full blocks of `token_ids` (remembered per sequence)."""
+        return self._hashes_for(seq_id, token_ids, salt)
+
     def _hashes_for(self, seq_id: str, token_ids: list[int], salt: str) -> list[int]:
         known = self._hashes.get(seq_id)
         num_full = len(token_ids) // self.block_size

@@ -11,16 +11,20 @@ from dataclasses import dataclass
 
 from engine.block_hash import NO_PARENT
 
+MEDIA = ("device", "cpu", "disk")
+
 
 @dataclass(frozen=True)
 class BlockStored:
     block_hash: int
     parent_hash: int = NO_PARENT
+    medium: str = "device"
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hash: int
+    medium: str = "device"
 
 
 @dataclass(frozen=True)

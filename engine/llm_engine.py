@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.input_checks import check_params, check_prompt, check_resume
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_views import KVViews
 from engine.model.model_config import ModelConfig
 from engine.model_files import resolve_model_path
 from engine.outputs import CompletionCollector, RequestOutput, SampleDelta
@@ -40,7 +41,7 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(KVViews):
     def __init__(self, config: EngineConfig) -> None:
         config = config.resolved()
         self.config = config
@@ -81,9 +82,11 @@ class LLMEngine:
         """Speculative decoding: tokens proposed and verified so far."""
         self.num_spec_accepted_tokens = 0
         """Speculative decoding: proposed tokens the target accepted."""
+        self._start_kv_tiers()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do with one rank). The engine cannot step afterwards."""
+        """Stop the tensor-parallel ranks and the KV tiers' I/O. The engine cannot step afterwards."""
+        self._stop_kv_tiers()
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = self.runner.peers = None
@@ -173,26 +176,6 @@ class LLMEngine:
         self._handed_off.discard(request_id)
         self.kv.free(request_id)
         return True
-
-    def enable_kv_events(self) -> None:
-        """Start recording prefix-cache events (taken with `take_kv_events`)."""
-        self.kv.pool.enable_events()
-
-    def take_kv_events(self) -> list:
-        """Prefix-cache events since the last call, oldest first (engine/kv_events.py)."""
-        return self.kv.pool.take_events()
-
-    def cached_block_hashes(self) -> list[int]:
-        return self.kv.pool.cached_hashes()
-
-    @property
-    def num_kv_blocks_used(self) -> int:
-        """Blocks held by requests or kept for transfers (free prefix-cache blocks excluded)."""
-        return self.kv.pool.num_used_blocks
-
-    @property
-    def num_kv_blocks_total(self) -> int:
-        return self.kv.pool.num_blocks
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)

@@ -13,6 +13,8 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    LOADING = 4
+    """Waiting for prefix blocks to come back from a lower KV tier (engine/kv_offload/)."""
 
 
 class FinishReason(str, enum.Enum):

@@ -11,6 +11,11 @@ proposed tokens (`request.spec_token_ids`) computes them too, 1 + K tokens,
 if budget and blocks allow (else it decodes one token as usual). Only the
 request's real tokens count as computed after the step; `accept_spec` adds the
 accepted proposals and frees blocks that hold nothing but rejected KV.
+
+KV tiers (`offload`, engine/kv_offload/): a waiting request whose prefix goes on
+in host memory or on disk past its device hit gets blocks for those blocks and
+waits in `loading` while they are copied back; then it rejoins the front of the
+queue with them computed. Blocks registered in a step are copied down after it.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -64,6 +69,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.offload = None
+        """The KV tiers below the block pool (engine/kv_offload/KVOffloader), when configured."""
+        self.loading: dict[str, tuple[Request, int]] = {}
+        """Load key -> (request, device-hit blocks) of requests whose prefix blocks a lower tier is loading."""
+        self._load_keys: dict[str, str] = {}
+        self._orphan_loads: set[str] = set()
+        self._num_loads = 0
+        """Load keys of aborted requests: their blocks are freed once the load ends."""
 
     # ---- admission -----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -75,7 +88,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self._orphan_loads)
 
     @property
     def num_running(self) -> int:
@@ -88,6 +101,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.offload is not None:
+            self._finish_loads()
         budget = self.config.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -113,6 +128,13 @@ class Scheduler:
             prefix = None
             if not self.kv.block_table(request.request_id):
                 prefix = self.kv.find_prefix(request.request_id, request.all_token_ids, request.cache_salt)
+                if self.offload is not None:
+                    started = self._start_load(request, prefix)
+                    if started is None:
+                        break
+                    if started:
+                        self.waiting.popleft()
+                        continue
             num_done = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
             num_new = min(request.num_tokens - num_done, budget)
             copies = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, prefix)
@@ -128,7 +150,47 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             out.block_copies.extend(copies)
             budget -= num_new
+        if not out.scheduled and self.loading:
+            self.offload.wait(0.005)  # nothing to run until a load ends: don't let the engine loop spin
         return out
+
+    # ---- KV tiers ------------------------------------------------------
+    def _start_load(self, request: Request, prefix: PrefixHit) -> bool | None:
+        """Load the blocks after `prefix` that a lower tier holds: True (the request now waits in `loading`),
+        False (none there), None (blocks or the load budget are short: try again later)."""
+        bs = self.kv.block_size
+        hashes = self.kv.block_hashes(request.request_id, request.all_token_ids, request.cache_salt)
+        start = len(prefix.block_ids)
+        found = self.offload.lookup(hashes, request.all_token_ids, start, (request.num_tokens - 1) // bs)
+        if not found:
+            return False
+        if not self.offload.can_load(len(found)) or self.kv.allocate_slots(
+                request.request_id, 0, len(found) * bs, prefix) is None:
+            return None
+        self._num_loads += 1
+        key = f"{request.request_id}\x00load{self._num_loads}"
+        self.offload.start_load(key, found, self.kv.block_table(request.request_id)[start:])
+        request.status = RequestStatus.LOADING
+        self.loading[key] = (request, start)
+        self._load_keys[request.request_id] = key
+        return True
+
+    def _finish_loads(self) -> None:
+        for key, num_loaded in self.offload.poll():
+            if key in self._orphan_loads:
+                self._orphan_loads.discard(key)
+                self.kv.free(key)
+                continue
+            request, start = self.loading.pop(key)
+            del self._load_keys[request.request_id]
+            computed = (start + num_loaded) * self.kv.block_size
+            self.kv.truncate(request.request_id, computed)  # blocks past a refused one are recomputed
+            self.kv.cache_computed_blocks(request.request_id, request.all_token_ids, computed, request.cache_salt)
+            request.num_computed_tokens = computed
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = min(computed, request.num_prompt_tokens)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput):
         while True:
@@ -158,6 +220,8 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
             self.kv.cache_computed_blocks(request.request_id, request.all_token_ids,
                                           request.num_computed_tokens, request.cache_salt)
+        if self.offload is not None:
+            self.offload.after_step()
 
     def accept_spec(self, request: Request, num_accepted: int) -> None:
         """After verification: `num_accepted` proposals (now appended to the request's tokens) keep their KV;
@@ -185,7 +249,12 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if request in self.running:
+        key = self._load_keys.pop(request.request_id, None)
+        if key is not None:  # its blocks are being filled: freed when the load ends
+            del self.loading[key]
+            self.kv.rename(request.request_id, key)
+            self._orphan_loads.add(key)
+        elif request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
