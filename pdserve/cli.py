@@ -31,6 +31,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: float8_e4m3 K/V with per-layer scales (half the bytes)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-offload-cpu-gib", type=float, default=0.0,
+                   help="KV tier 2: host memory (pinned on CUDA) keeping prefix blocks the pool evicts (0: off)")
+    p.add_argument("--kv-offload-dir", default=None,
+                   help="KV tier 3: directory of a local-disk arena below the host tier, found again on restart")
+    p.add_argument("--kv-offload-disk-gib", type=float, default=0.0, help="size of the disk tier's arena")
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding (exact): ngram (prompt lookup) or draft (--speculative-model)")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
@@ -44,6 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     """Map the engine flags onto EngineConfig (which validates them)."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from engine.kv_offload.config import OffloadConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
@@ -54,7 +60,10 @@ def engine_config_from_args(args: argparse.Namespace):
                           kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None
                           else int(args.kv_cache_memory_gib * 2**30),
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_dtype=args.kv_cache_dtype),
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          offload=OffloadConfig(cpu_bytes=int(args.kv_offload_cpu_gib * 2**30),
+                                                disk_dir=args.kv_offload_dir,
+                                                disk_bytes=int(args.kv_offload_disk_gib * 2**30))),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       model=args.speculative_model, ngram_min=args.ngram_min,

@@ -42,7 +42,7 @@ class EngineLoop(threading.Thread):
         self.generation_tokens_total = 0
         self.observe_transfer_s: Callable[[float], None] = lambda seconds: None
         """Called with the duration of every finished KV transfer (metrics hook; engine thread)."""
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, Any] = {}
         """Snapshot refreshed after every iteration; safe to read from any thread."""
         self.kv_events = None
         """A KvEventLog, flushed after every iteration, when routers index this worker."""
@@ -138,7 +138,8 @@ class EngineLoop(threading.Thread):
                  "prefix_cache_queries": self.engine.kv.num_prefix_queries,
                  "prefix_cache_hits": self.engine.kv.num_prefix_hits,
                  "spec_decode_num_draft_tokens": self.engine.num_spec_draft_tokens,
-                 "spec_decode_num_accepted_tokens": self.engine.num_spec_accepted_tokens}
+                 "spec_decode_num_accepted_tokens": self.engine.num_spec_accepted_tokens,
+                 "kv_tiers": self.engine.kv_tier_stats()}
         stats.update(self.extra_stats())
         self.stats = stats
 

@@ -1,6 +1,6 @@
 """Tier 3: prefix blocks in one memory-mapped arena file on local disk, found again after a restart.
 
-File layout (`kv_blocks.bin` under the tier's directory):
+File layout (`kv_blocks.N.bin` under the tier's directory):
 
     header   4 KiB   magic, then JSON: format version, the engine's layout key, block bytes, slots
     records  slots x (valid, hash, parent hash, xxh64 of the bytes, write sequence, token ids)
@@ -11,7 +11,9 @@ A block's record is marked invalid before its bytes are rewritten and valid
 checksum fails: a load verifies the checksum and refuses the block. A file
 whose header does not describe this engine's layout (another model, dtype,
 block size, tensor-parallel split, ...) is discarded on open, never loaded.
-An exclusive lock keeps two workers from sharing one file.
+An exclusive lock keeps two workers from sharing one file: a worker takes the
+first file no other worker holds, so workers of one node can share a directory
+(any file of the same layout holds KV valid for any of them).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from engine.kv_offload.tier_index import TierIndex
 
 logger = logging.getLogger(__name__)
 
-FILE_NAME = "kv_blocks.bin"
+MAX_FILES = 64
 MAGIC = b"PDSKVT\x00\x01"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
@@ -43,6 +45,19 @@ NO_PARENT_U64 = (1 << 64) - 1
 
 def _align(n: int, to: int = 4096) -> int:
     return -(-n // to) * to
+
+
+def _lock_a_file(directory: Path) -> tuple[Path, int]:
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(MAX_FILES):
+        path = directory / f"kv_blocks.{i}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return path, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise RuntimeError(f"{directory}: all {MAX_FILES} disk tier files are in use by other workers")
 
 
 class DiskTier:
@@ -61,14 +76,7 @@ class DiskTier:
         self.file_bytes = self.data_offset + num_slots * block_bytes
         self.header = json.dumps({"version": FORMAT_VERSION, "layout": layout_key, "block_bytes": block_bytes,
                                   "block_size": block_size, "slots": num_slots}, sort_keys=True).encode()
-        self.path = Path(directory) / FILE_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            raise RuntimeError(f"{self.path} is in use by another worker (one disk tier per worker)") from None
+        self.path, self._fd = _lock_a_file(Path(directory))
         self.discarded = not self._header_matches()
         if self.discarded:
             if os.fstat(self._fd).st_size:
