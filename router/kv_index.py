@@ -20,9 +20,8 @@ worker's KV pool is).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from engine.kv_events import MEDIA, AllCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -155,11 +154,13 @@ class KvIndex:
                 result[w] = depth
         return result
 
-    def weighted_overlap(self, block_hashes: list[int], workers: list[str],
-                         weights: dict[str, float]) -> dict[str, float]:
+    def weighted_overlap(self, block_hashes: list[int], workers: list[str], weights: dict[str, float],
+                         depths: dict[str, int] | None = None) -> dict[str, float]:
         """For each of `workers`, its `overlap` depth with each block weighted by the best medium
-        holding it there (`weights` per medium name, e.g. device 1.0, cpu 0.8; a medium left out: 0)."""
-        depths = self.overlap(block_hashes, workers)
+        holding it there (`weights` per medium name, e.g. device 1.0, cpu 0.8; a medium left out: 0).
+        `depths`: that `overlap`, when the caller already has it."""
+        if depths is None:
+            depths = self.overlap(block_hashes, workers)
         by_mask = [0.0] * (1 << len(MEDIA))
         for mask in range(1, len(by_mask)):
             best = (mask & -mask).bit_length() - 1
