@@ -60,7 +60,7 @@ def main() -> int:
             held[a].extend(hashes)
     index = KvIndex()
     for a in addresses:
-        index.load_snapshot(a, 1, held[a])
+        index.load_snapshot(a, 1, [(h, "device") for h in held[a]])
     build_s = time.perf_counter() - t
     entries = sum(len(h) for h in held.values())
 

@@ -160,6 +160,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "(holder, then rendezvous-hash home)")
     p.add_argument("--decode-hold-weight", type=float, default=2.0,
                    help="prefix policy, decode choice: cost of not holding the prompt, in running requests")
+    p.add_argument("--kv-tier-weights", type=tier_weights, default={}, metavar="MEDIUM=W,...",
+                   help="prefix policy: worth of a prompt block a worker holds in host memory (cpu) or on local "
+                        "disk (disk), relative to one on its device (1.0); default cpu=0.8,disk=0.5")
     p.add_argument("--skip-prefill-tokens", type=int, default=32,
                    help="the decode worker prefills itself when fewer prompt tokens than this are uncached there")
     p.add_argument("--no-link-aware-prefill", action="store_true",
@@ -192,6 +195,21 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_cluster_secret_arg(p)
 
 
+def tier_weights(text: str) -> dict[str, float]:
+    """`cpu=0.8,disk=0.5` -> {"cpu": 0.8, "disk": 0.5} (media and ranges are checked by RoutingWeights)."""
+    weights = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        medium, sep, value = item.partition("=")
+        try:
+            if not sep or not medium.strip():
+                raise ValueError
+            weights[medium.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected MEDIUM=WEIGHT[,...] (e.g. cpu=0.8,disk=0.5), "
+                                             f"got {item!r}") from None
+    return weights
+
+
 def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode: list[str]):
     from pdserve.cluster_auth import ClusterAuthConfig
     from pdserve.cluster_auth.tls import InternalTLSConfig
@@ -204,7 +222,8 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                                                        args.prefill_request_weight,
                                                        pollution_weight=args.pollution_weight,
                                                        tie_ratio=args.tie_ratio,
-                                                       hold_weight=args.decode_hold_weight),
+                                                       hold_weight=args.decode_hold_weight,
+                                                       kv_tier_weights=args.kv_tier_weights),
                         skip_prefill_tokens=args.skip_prefill_tokens, redis_url=args.redis_url,
                         link_aware_prefill=not args.no_link_aware_prefill,
                         registry_ttl_s=args.registry_ttl_s, max_queue_len=args.max_queue_len,

@@ -77,34 +77,49 @@ def finish_reason_name(value: int) -> str:
 
 
 def kv_events_to_proto(events) -> list:
-    """engine.kv_events -> pdserve.v1.KvEvent messages, in order."""
+    """engine.kv_events -> pdserve.v1.KvEvent messages, in order (the device medium written as "")."""
     from engine.block_hash import NO_PARENT
     from engine.kv_events import BlockRemoved, BlockStored
     out = []
     for e in events:
         if isinstance(e, BlockStored):
-            stored = worker_pb2.BlockStored(block_hash=e.block_hash)
+            stored = worker_pb2.BlockStored(block_hash=e.block_hash, medium=_medium_to_proto(e.medium))
             if e.parent_hash != NO_PARENT:
                 stored.parent_hash = e.parent_hash
             out.append(worker_pb2.KvEvent(stored=stored))
         elif isinstance(e, BlockRemoved):
-            out.append(worker_pb2.KvEvent(removed=worker_pb2.BlockRemoved(block_hash=e.block_hash)))
+            out.append(worker_pb2.KvEvent(removed=worker_pb2.BlockRemoved(block_hash=e.block_hash,
+                                                                          medium=_medium_to_proto(e.medium))))
         else:
             out.append(worker_pb2.KvEvent(cleared=worker_pb2.AllCleared()))
     return out
 
 
 def kv_events_from_proto(messages) -> list:
+    """pdserve.v1.KvEvent messages -> engine.kv_events, in order.
+
+    An empty medium is "device" (workers without tiers). A BlockStored or BlockRemoved naming a
+    medium not in engine.kv_events.MEDIA (a newer peer) is dropped on its own: the reader then
+    does not know of that copy, which at worst routes as if the block were not there.
+    """
     from engine.block_hash import NO_PARENT
-    from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+    from engine.kv_events import MEDIA, AllCleared, BlockRemoved, BlockStored
     out = []
     for m in messages:
         kind = m.WhichOneof("kind")
         if kind == "stored":
-            parent = m.stored.parent_hash if m.stored.HasField("parent_hash") else NO_PARENT
-            out.append(BlockStored(m.stored.block_hash, parent))
+            medium = m.stored.medium or "device"
+            if medium in MEDIA:
+                parent = m.stored.parent_hash if m.stored.HasField("parent_hash") else NO_PARENT
+                out.append(BlockStored(m.stored.block_hash, parent, medium))
         elif kind == "removed":
-            out.append(BlockRemoved(m.removed.block_hash))
+            medium = m.removed.medium or "device"
+            if medium in MEDIA:
+                out.append(BlockRemoved(m.removed.block_hash, medium))
         else:
             out.append(AllCleared())
     return out
+
+
+def _medium_to_proto(medium: str) -> str:
+    return "" if medium == "device" else medium

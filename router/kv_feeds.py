@@ -21,6 +21,7 @@ import logging
 
 import grpc
 
+from engine.kv_events import BlockStored
 from pdserve import redis_keys
 from pdserve.cluster_auth import events
 from pdserve.protocol import kv_events_from_proto, worker_pb2
@@ -66,8 +67,9 @@ class KvFeeds:
         self._tasks.clear()
 
     def _load(self, snapshot: worker_pb2.KvEventBatch) -> None:
-        hashes = [e.stored.block_hash for e in snapshot.events]
-        self.index.load_snapshot(snapshot.worker or "", snapshot.seq, hashes, snapshot.epoch)
+        blocks = [(e.block_hash, e.medium) for e in kv_events_from_proto(snapshot.events)
+                  if isinstance(e, BlockStored)]
+        self.index.load_snapshot(snapshot.worker or "", snapshot.seq, blocks, snapshot.epoch)
 
     def _apply(self, address: str, batch: worker_pb2.KvEventBatch) -> bool:
         ok = self.index.apply(address, batch.seq, kv_events_from_proto(batch.events), batch.epoch)

@@ -10,20 +10,33 @@ Batches carry per-worker sequence numbers. `apply` refuses a batch that does
 not follow the last one (events were lost) and marks the worker stale; its
 blocks stay indexed (a slightly old view routes better than none) until the
 caller resyncs it from a snapshot with `load_snapshot`.
+
+Workers keep blocks on several media (engine/kv_events.py `MEDIA`: device, cpu,
+disk). Per worker the index keeps, for each hash, a small bitmask of the media
+holding it (bit i = MEDIA[i]); a block counts as held, in `_holders` and so in
+`overlap`, while any medium holds it. `weighted_overlap` prices each held
+block by its best medium; `num_blocks` counts device blocks only (how full the
+worker's KV pool is).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from engine.kv_events import MEDIA, AllCleared, BlockRemoved, BlockStored, KVEvent
+
+_MEDIUM_BIT = {m: 1 << i for i, m in enumerate(MEDIA)}
+_DEVICE_BIT = _MEDIUM_BIT["device"]
 
 
 @dataclass
 class _WorkerBlocks:
     bit: int
-    hashes: dict[int, None] = field(default_factory=dict)
-    """A dict, not a set: holding only ints, CPython's garbage collector never scans it
-    (a million-block index would otherwise stretch every full collection)."""
+    hashes: dict[int, int] = field(default_factory=dict)
+    """Block hash -> bitmask of the media holding it (never 0). Holding only ints, CPython's
+    garbage collector never scans it (a million-block index would otherwise stretch every full collection)."""
+    counts: list[int] = field(default_factory=lambda: [0] * len(MEDIA))
+    """Blocks held per medium, in MEDIA order."""
     seq: int = -1
     """Last batch applied; -1 until the first snapshot."""
     epoch: int = 0
@@ -67,21 +80,28 @@ class KvIndex:
     def seq(self, worker: str) -> int:
         return self._workers[worker].seq
 
+    @property
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
     def num_blocks(self, worker: str) -> int:
+        """Blocks `worker` holds on its device (how full its KV pool is); lower tiers not counted."""
         entry = self._workers.get(worker)
-        return len(entry.hashes) if entry else 0
+        return entry.counts[0] if entry else 0
+
+    def num_blocks_by_medium(self, worker: str) -> dict[str, int]:
+        entry = self._workers.get(worker)
+        return dict(zip(MEDIA, entry.counts if entry else [0] * len(MEDIA), strict=True))
 
     # ---- feeding --------------------------------------------------------
-    def load_snapshot(self, worker: str, seq: int, hashes, epoch: int = 0) -> None:
-        """Replace what is known of `worker` by its whole prefix cache as of batch `seq`."""
+    def load_snapshot(self, worker: str, seq: int, blocks: Iterable[tuple[int, str]], epoch: int = 0) -> None:
+        """Replace what is known of `worker` by its whole prefix cache as of batch `seq`: one
+        (block hash, medium) pair per block and medium holding it; unknown media are ignored."""
         self.add_worker(worker)
         entry = self._workers[worker]
         self._drop_all(entry)
-        bit = 1 << entry.bit
-        holders = self._holders
-        for h in hashes:
-            holders[h] = holders.get(h, 0) | bit
-        entry.hashes = dict.fromkeys(hashes)
+        for block_hash, medium in blocks:
+            self._store(entry, block_hash, medium)
         entry.seq = seq
         entry.epoch = epoch
         self.num_resyncs += 1
@@ -96,17 +116,11 @@ class KvIndex:
         if seq != entry.seq + 1 or epoch != entry.epoch:
             entry.seq = -1
             return False
-        bit = 1 << entry.bit
-        holders = self._holders
         for event in events:
             if isinstance(event, BlockStored):
-                if event.block_hash not in entry.hashes:
-                    entry.hashes[event.block_hash] = None
-                    holders[event.block_hash] = holders.get(event.block_hash, 0) | bit
+                self._store(entry, event.block_hash, event.medium)
             elif isinstance(event, BlockRemoved):
-                if event.block_hash in entry.hashes:
-                    del entry.hashes[event.block_hash]
-                    self._unset(event.block_hash, bit)
+                self._remove(entry, event.block_hash, event.medium)
             elif isinstance(event, AllCleared):
                 self._drop_all(entry)
         entry.seq = seq
@@ -140,12 +154,58 @@ class KvIndex:
                 result[w] = depth
         return result
 
+    def weighted_overlap(self, block_hashes: list[int], workers: list[str], weights: dict[str, float],
+                         depths: dict[str, int] | None = None) -> dict[str, float]:
+        """For each of `workers`, its `overlap` depth with each block weighted by the best medium
+        holding it there (`weights` per medium name, e.g. device 1.0, cpu 0.8; a medium left out: 0).
+        `depths`: that `overlap`, when the caller already has it."""
+        if depths is None:
+            depths = self.overlap(block_hashes, workers)
+        by_mask = [0.0] * (1 << len(MEDIA))
+        for mask in range(1, len(by_mask)):
+            best = (mask & -mask).bit_length() - 1
+            by_mask[mask] = weights.get(MEDIA[best], 0.0)
+        result: dict[str, float] = {}
+        for w, depth in depths.items():
+            entry = self._workers.get(w)
+            if not depth or entry is None:
+                result[w] = 0.0
+            elif entry.counts[0] == len(entry.hashes):  # everything on device: no lookups
+                result[w] = depth * by_mask[_DEVICE_BIT]
+            else:
+                media = entry.hashes
+                result[w] = sum(by_mask[media[h]] for h in block_hashes[:depth])
+        return result
+
     # ---- internals ------------------------------------------------------
+    def _store(self, entry: _WorkerBlocks, block_hash: int, medium: str) -> None:
+        bit = _MEDIUM_BIT.get(medium, 0)
+        mask = entry.hashes.get(block_hash, 0)
+        if not bit or mask & bit:
+            return
+        if not mask:
+            self._holders[block_hash] = self._holders.get(block_hash, 0) | 1 << entry.bit
+        entry.hashes[block_hash] = mask | bit
+        entry.counts[bit.bit_length() - 1] += 1
+
+    def _remove(self, entry: _WorkerBlocks, block_hash: int, medium: str) -> None:
+        bit = _MEDIUM_BIT.get(medium, 0)
+        mask = entry.hashes.get(block_hash, 0)
+        if not mask & bit:
+            return
+        entry.counts[bit.bit_length() - 1] -= 1
+        if mask == bit:
+            del entry.hashes[block_hash]
+            self._unset(block_hash, 1 << entry.bit)
+        else:
+            entry.hashes[block_hash] = mask & ~bit
+
     def _drop_all(self, entry: _WorkerBlocks) -> None:
         bit = 1 << entry.bit
         for h in entry.hashes:
             self._unset(h, bit)
         entry.hashes = {}
+        entry.counts = [0] * len(MEDIA)
 
     def _unset(self, block_hash: int, bit: int) -> None:
         mask = self._holders.get(block_hash, 0) & ~bit

@@ -2,12 +2,14 @@
 
 Router-side prefix hit rate = rate(pdserve:router_prefix_hit_blocks_total)
 / rate(pdserve:router_prefix_query_blocks_total): of the full prompt blocks sent
-to prefill, how many the chosen worker already held, per the KV index.
+to prefill, how many the chosen worker already held (on any medium), per the KV index.
+`pdserve:kv_index_blocks{worker, medium}` is how many blocks the router believes each
+worker holds on each medium (device, cpu, disk).
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.kv_index import KvIndex
 
@@ -59,9 +61,18 @@ class RoutingMetrics:
 
 
 class _ResyncCollector:
+    """The index's own numbers, read at scrape time: resyncs, and blocks per worker and medium."""
+
     def __init__(self, index: KvIndex) -> None:
         self.index = index
 
     def collect(self):
         yield CounterMetricFamily("pdserve:kv_index_resyncs", "KV index snapshots loaded (first sync and after gaps)",
                                   value=self.index.num_resyncs)
+        blocks = GaugeMetricFamily("pdserve:kv_index_blocks",
+                                   "Prefix blocks the router's KV index says each worker holds, by medium",
+                                   labels=["worker", "medium"])
+        for worker in self.index.workers:
+            for medium, count in self.index.num_blocks_by_medium(worker).items():
+                blocks.add_metric([worker, medium], count)
+        yield blocks

@@ -11,8 +11,13 @@ Prefill (policy `prefix`), in seconds of expected time to first token:
 request: attention over its cached context, the LM head, scheduling) are learnt
 online per worker by `PrefillSpeed` from the router's own prefill calls; until
 then they default to the SmolLM2/CPU measurement (0.9 ms per token, 8 blocks'
-worth per request). `evicted_blocks` is how many cached blocks the prompt's
-uncached ones would push out (the worker's pool is full of others' prefixes):
+worth per request). `uncached_tokens` is the prompt less its cached blocks
+weighted by tier (`RoutingWeights.kv_tier_weights`, by the best medium holding
+each): a leading block on the worker's device counts 1, in its host memory 0.8,
+on its local disk 0.5 by default; a lower-tier hit must be loaded first, so it
+is worth less than a device hit and more than a miss. `evicted_blocks` is how
+many cached blocks the prompt's uncached ones (the same weighted count) would
+push out (the worker's pool is full of others' prefixes):
 each will cost about its own compute again when its owner returns. That term is
 the hysteresis under cache pressure: moving a prefix to an idle worker pays for
 the miss *and* for what the copy evicts there, so a prefix stays on its holder
@@ -21,7 +26,7 @@ and the prefix spreads to wherever it is served soonest.
 
 The pick is deterministic, and partitions the pool's caches: candidates whose
 cost is within `tie_ratio` of the best are near-ties; among them a holder of the
-prompt's key blocks wins, else the one ranked first by rendezvous hashing of the
+prompt's key blocks (on any medium) wins, else the one ranked first by rendezvous hashing of the
 prompt's key (the hash of its first `KEY_BLOCKS` blocks, a chained hash) over
 the addresses. So new prefixes spread evenly over an idle pool, a prefix
 evicted everywhere returns to the same home, and a worker joining or leaving
@@ -34,7 +39,7 @@ Decode, in running requests:
     cost = running + kv_weight * kv_usage + hold_weight * uncached_fraction
 
 where `uncached_fraction` is the part of the prompt the worker does not hold
-(it would pull it from prefill, or skip remote prefill when it holds nearly
+(tier-weighted as above; it would pull it from prefill, or skip remote prefill when it holds nearly
 all of it): a returning conversation goes back to where its context lives.
 Near-ties (within `decode_tie`) are broken the same way as prefill.
 
@@ -43,9 +48,11 @@ Near-ties (within `decode_tie`) are broken the same way as prefill.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
+
+from engine.kv_events import MEDIA
 
 POLICIES = ("prefix", "least_loaded", "round_robin", "random")
 KEY_BLOCKS = 4
@@ -53,6 +60,7 @@ KEY_BLOCKS = 4
 template's header and the start of the system prompt, where the first block alone often does not."""
 DEFAULT_TOKEN_S = 0.0009
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_TIER_WEIGHTS = {"device": 1.0, "cpu": 0.8, "disk": 0.5}
 
 
 @dataclass
@@ -64,14 +72,21 @@ class Candidate:
     """Requests the worker holds."""
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    cached_blocks: int = 0
-    """Leading prompt blocks the worker already holds (from the KV index)."""
+    cached_blocks: float = 0.0
+    """Leading prompt blocks the worker already holds (from the KV index), each weighted by the best
+    medium holding it (RoutingWeights.kv_tier_weights): device blocks count 1, host or disk ones less."""
+    held_blocks: int | None = None
+    """Leading prompt blocks held on any medium, unweighted; None: `cached_blocks` (all on device)."""
     kv_blocks_cached: int = 0
     """Blocks the worker's prefix cache holds (KV index), in use or not: how full its pool is."""
     token_s: float | None = None
     """Learnt seconds per uncached prompt token; None: the policy's default."""
     request_s: float | None = None
     """Learnt fixed seconds per request; None: the policy's default."""
+
+    @property
+    def held(self) -> int:
+        return self.held_blocks if self.held_blocks is not None else int(self.cached_blocks)
 
     @property
     def kv_usage(self) -> float:
@@ -95,11 +110,27 @@ class RoutingWeights:
     decode_tie: float = 0.5
     """Decode: costs within this many running requests of the best are near-ties."""
 
+    kv_tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    """Worth of a cached prompt block by the best medium holding it, in device blocks: a block a worker
+    holds in host memory or on disk saves less than one in its KV pool (it must be loaded), more than a
+    miss. Media left out keep their default; device is the unit (1.0), and a lower tier may not be worth
+    more than a better one (engine/kv_events.py MEDIA order), each in [0, 1]."""
+
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "kv_weight", "request_weight", "pollution_weight", "tie_ratio",
                      "hold_weight", "decode_tie"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing weights must be >= 0 ({name})")
+        unknown = sorted(set(self.kv_tier_weights) - set(MEDIA))
+        if unknown:
+            raise ValueError(f"kv_tier_weights: unknown medium {unknown[0]!r} (known: {', '.join(MEDIA)})")
+        self.kv_tier_weights = {m: float(self.kv_tier_weights.get(m, DEFAULT_TIER_WEIGHTS[m])) for m in MEDIA}
+        if self.kv_tier_weights["device"] != 1.0:
+            raise ValueError("kv_tier_weights: device must be 1.0 (the unit the others are measured in)")
+        for better, worse in zip(MEDIA, MEDIA[1:], strict=False):
+            if not 0 <= self.kv_tier_weights[worse] <= self.kv_tier_weights[better]:
+                raise ValueError(f"kv_tier_weights: {worse} must be in [0, {better}'s weight], "
+                                 f"got {self.kv_tier_weights[worse]}")
 
 
 def routing_key(block_hashes: list[int]) -> int | None:
@@ -228,4 +259,4 @@ class RoutingPolicy:
         # A holder is one with the key blocks themselves: holding only a header every prompt shares
         # (a chat template, a common system preamble) must not pull every new prefix to one worker.
         holds = self.uses_prefix and key_blocks > 0
-        return max(near, key=lambda c: (holds and c.cached_blocks >= key_blocks, rendezvous_rank(key, c.address)))
+        return max(near, key=lambda c: (holds and c.held >= key_blocks, rendezvous_rank(key, c.address)))

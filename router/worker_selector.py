@@ -4,10 +4,13 @@
 with room and reserves it, counting the sample on that worker until
 `release`. The decode choice also settles whether remote prefill is worth it:
 when the decode worker already holds all but `skip_prefill_tokens` of the
-prompt (its own prefix cache, as its KV events say), it prefills the rest
+prompt (its own prefix cache on any medium, as its KV events say: a block in
+its host memory or on its disk is loaded there, not pulled), it prefills the rest
 itself; so it does when the link into it moves KV slower than the prefill pool
 computes it (router/link_estimate.py, with `link_aware_prefill`).
 `pick_prefill` then chooses the prefill worker by the routing policy's cost (uncached prompt blocks, plus load).
+The costs see cached blocks weighted by the best medium holding them (`KvIndex.weighted_overlap` with
+`RoutingWeights.kv_tier_weights`); the skip decision and the hit counts see blocks held on any medium.
 
 A prefill worker's cached blocks are what the KV index says it holds, or —
 when more — the prefix the prompt shares with a prompt this router is having
@@ -91,7 +94,8 @@ class WorkerSelector:
 
     def pick_prefill(self, prompt_len: int, block_hashes: list[int],
                      exclude: tuple[WorkerClient, ...] = ()) -> tuple[WorkerClient, int] | None:
-        """(prefill worker, prompt blocks it already holds), or None when none is healthy."""
+        """(prefill worker, leading prompt blocks it already holds on any medium, or is computing),
+        or None when none is healthy."""
         workers = [w for w in self.pool.healthy("prefill") if w not in exclude]
         if not workers:
             return None
@@ -100,8 +104,8 @@ class WorkerSelector:
                                           len(block_hashes), routing_key(block_hashes), self.block_size)
         worker = self.pool.get(chosen.address)
         if self.metrics is not None:
-            self.metrics.observe_prefill(worker, len(block_hashes), chosen.cached_blocks)
-        return worker, chosen.cached_blocks
+            self.metrics.observe_prefill(worker, len(block_hashes), chosen.held)
+        return worker, chosen.held
 
     # ---- internals ------------------------------------------------------
     def _reserve(self, prompt: list[int], block_hashes: list[int],
@@ -116,7 +120,8 @@ class WorkerSelector:
                                          routing_key(block_hashes))
         worker = self.pool.get(chosen.address)
         worker.in_flight += 1
-        uncached = len(prompt) - chosen.cached_blocks * self.block_size
+        # Blocks it holds on any medium: it loads its own host or disk copies rather than pull them.
+        uncached = len(prompt) - chosen.held * self.block_size
         if not self.pool.has_role("prefill"):
             return Route(worker, False)
         if uncached < self.skip_prefill_tokens:
@@ -136,21 +141,28 @@ class WorkerSelector:
 
     def _candidates(self, workers: list[WorkerClient], block_hashes: list[int],
                     in_progress: bool = False) -> list[Candidate]:
-        cached = (self.index.overlap(block_hashes, [w.address for w in workers])
-                  if self.policy.uses_prefix or self.skip_prefill_tokens else {})
+        addresses = [w.address for w in workers]
+        if self.policy.uses_prefix or self.skip_prefill_tokens:
+            depth = self.index.overlap(block_hashes, addresses)
+            weighted = self.index.weighted_overlap(block_hashes, addresses, self.policy.weights.kv_tier_weights,
+                                                   depth)
+        else:
+            depth, weighted = {}, {}
         out = []
         block_size = self.block_size
         for w in workers:
             s = w.stats
             queued = max(w.pending_tokens, s.num_waiting_tokens if s else 0)
-            held = cached.get(w.address, 0)
+            held, cached = depth.get(w.address, 0), weighted.get(w.address, 0.0)
             if in_progress and self.policy.uses_prefix:
-                held = max([held, *(_common_prefix(block_hashes, p) for p in w.pending_prompts.values())])
+                # A prefix being computed there will be on its device: counts as device blocks.
+                computing = max((_common_prefix(block_hashes, p) for p in w.pending_prompts.values()), default=0)
+                held, cached = max(held, computing), max(cached, float(computing))
             token_s, request_s = w.speed.estimate() if w.role == "prefill" else (None, None)
             out.append(Candidate(w.address, queued_blocks=queued / block_size,
                                  running=w.working, kv_blocks_used=s.kv_blocks_used if s else 0,
-                                 kv_blocks_total=s.kv_blocks_total if s else 0, cached_blocks=held,
-                                 kv_blocks_cached=self.index.num_blocks(w.address),
+                                 kv_blocks_total=s.kv_blocks_total if s else 0, cached_blocks=cached,
+                                 held_blocks=held, kv_blocks_cached=self.index.num_blocks(w.address),
                                  token_s=token_s, request_s=request_s))
         return out
 

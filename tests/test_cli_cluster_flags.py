@@ -19,6 +19,8 @@ CASES = [
     (["router", "--skip-prefill-tokens", "-1"], "skip_prefill_tokens and max_queue_len must be >= 0"),
     (["router", "--overlap-weight", "-2"], "routing weights must be >= 0"),
     (["router", "--queue-timeout-s", "0"], "queue_timeout_s must be > 0"),
+    (["router", "--kv-tier-weights", "cpu=lots"], "expected MEDIUM=WEIGHT"),
+    (["serve", "--kv-tier-weights", "disk=0.9"], "disk must be in [0, cpu's weight]"),
     (["router", "--routing-policy", "fastest"], "invalid choice: 'fastest'"),
     (["router", "--max-migrations", "-1"], "max_migrations must be an integer >= 0"),
     (["serve", "--stream-timeout-s", "-1"], "stream_timeout_s must be >= 0"),

@@ -3,8 +3,8 @@
 The engine thread calls `flush()` after every iteration: whatever the engine
 recorded since (engine/kv_events.py) becomes batch `seq + 1`. Batches hop onto
 the asyncio loop and go to every subscriber queue (a router's gRPC stream, the
-Redis publisher). `snapshot()` answers "everything cached, as of batch S" from
-the engine thread, so a reader that applies batches after S misses nothing.
+Redis publisher). `snapshot_now()` answers "everything cached, on every medium,
+as of batch S" from the engine thread, so a reader that applies batches after S misses nothing.
 A subscriber that falls too far behind gets None and must resubscribe (its
 router resyncs from a snapshot).
 """
@@ -37,10 +37,14 @@ class KvEventLog:
             self.aio.call_soon_threadsafe(self._deliver, self.seq, events)
 
     def snapshot_now(self) -> worker_pb2.KvEventBatch:
-        """Run on the engine thread: the whole prefix cache as of the current batch."""
+        """Run on the engine thread: the whole prefix cache as of the current batch, one BlockStored per
+        block and medium holding it (the device pool's blocks, then each lower tier's)."""
         self.flush()
         stored = [worker_pb2.KvEvent(stored=worker_pb2.BlockStored(block_hash=h))
                   for h in self.engine.cached_block_hashes()]
+        for medium, hashes in self.engine.offloaded_block_hashes().items():
+            stored.extend(worker_pb2.KvEvent(stored=worker_pb2.BlockStored(block_hash=h, medium=medium))
+                          for h in hashes)
         return worker_pb2.KvEventBatch(worker=self.worker, seq=self.seq, epoch=self.epoch, snapshot=True,
                                        events=stored)
 

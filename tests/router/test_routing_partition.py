@@ -11,6 +11,10 @@ from router.routing_policy import Candidate, PrefillSpeed, RoutingPolicy, routin
 BS = 16
 
 
+def on_device(hashes: list[int]) -> list[tuple[int, str]]:
+    return [(h, "device") for h in hashes]
+
+
 def prompt_hashes(i: int, blocks: int = 40) -> list[int]:
     return hash_full_blocks([7000 + i] + list(range(1, blocks * BS)), BS)
 
@@ -154,7 +158,7 @@ def test_selector_sends_a_returning_prompt_to_the_decode_worker_holding_it_and_s
         selector = WorkerSelector(pool, index, RoutingPolicy("prefix"), AdmissionQueue(0, 1.0), 32)
         home = (await selector.route(prompt, hashes)).decode.address
         other = "d2:1" if home == "d1:1" else "d1:1"
-        index.load_snapshot(other, 1, hashes[:5])  # 20 of 100 tokens uncached there
+        index.load_snapshot(other, 1, on_device(hashes[:5]))  # 20 of 100 tokens uncached there
         route = await selector.route(prompt, hashes)
         assert route.decode.address == other and not route.remote_prefill
     asyncio.run(scenario())

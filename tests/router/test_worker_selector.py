@@ -15,6 +15,10 @@ PROMPT = list(range(100, 200))  # 6 full blocks of 16
 HASHES = hash_full_blocks(PROMPT, 16)
 
 
+def on_device(hashes: list[int]) -> list[tuple[int, str]]:
+    return [(h, "device") for h in hashes]
+
+
 def make(prefill=("p1:1", "p2:1"), decode=("d1:1",), max_requests=2, skip=32):
     pool = WorkerPool(list(prefill), list(decode))
     for w in pool.workers:
@@ -51,16 +55,16 @@ def test_no_healthy_decode_worker_is_unavailable_not_saturated():
 def test_decode_prefills_itself_when_it_holds_nearly_all_the_prompt():
     async def scenario():
         _, index, selector = make()
-        index.load_snapshot("d1:1", 1, HASHES[:5])  # 80 of 100 tokens: 20 uncached < 32
+        index.load_snapshot("d1:1", 1, on_device(HASHES[:5]))  # 80 of 100 tokens: 20 uncached < 32
         assert not (await selector.route(PROMPT, HASHES)).remote_prefill
-        index.load_snapshot("d1:1", 2, HASHES[:4])  # 36 uncached
+        index.load_snapshot("d1:1", 2, on_device(HASHES[:4]))  # 36 uncached
         assert (await selector.route(PROMPT, HASHES)).remote_prefill
     asyncio.run(scenario())
 
 
 def test_prefill_goes_to_the_holder_or_to_the_worker_already_computing_the_prefix():
     pool, index, selector = make()
-    index.load_snapshot("p2:1", 1, HASHES[:3])
+    index.load_snapshot("p2:1", 1, on_device(HASHES[:3]))
     assert selector.pick_prefill(len(PROMPT), HASHES) == (pool.get("p2:1"), 3)
     # A new prefix: nobody holds it, but p1 is prefilling a prompt that starts with it.
     other = hash_full_blocks(list(range(500, 600)), 16)
@@ -71,7 +75,7 @@ def test_prefill_goes_to_the_holder_or_to_the_worker_already_computing_the_prefi
 
 def test_prefill_leases_are_not_load():
     pool, index, selector = make()
-    index.load_snapshot("p2:1", 1, HASHES[:3])
+    index.load_snapshot("p2:1", 1, on_device(HASHES[:3]))
     holder = pool.get("p2:1")
     # The last stats poll saw this router's finished request as a lease (its call had returned):
     # that is no prefill work, so the holder of the prefix keeps it.
@@ -80,3 +84,38 @@ def test_prefill_leases_are_not_load():
     assert selector.pick_prefill(len(PROMPT), HASHES) == (holder, 3)
     holder.stats.num_leases = 0  # a queued request of another router's: real work (8 blocks > 3)
     assert selector.pick_prefill(len(PROMPT), HASHES)[0] is pool.get("p1:1")
+
+
+LONG = list(range(1000, 1640))  # 40 full blocks: a lower tier's discount is more than a near-tie
+LONG_HASHES = hash_full_blocks(LONG, 16)
+
+
+def test_a_host_memory_holder_beats_a_miss_and_loses_to_a_device_holder():
+    pool, index, selector = make(prefill=("p1:1", "p2:1", "p3:1"))
+    index.load_snapshot("p2:1", 1, [(h, "cpu") for h in LONG_HASHES])
+    index.load_snapshot("p3:1", 1, on_device(LONG_HASHES))
+    cached = {c.address: c.cached_blocks for c in selector._candidates(pool.healthy("prefill"), LONG_HASHES)}
+    assert cached == pytest.approx({"p1:1": 0.0, "p2:1": 0.8 * 40, "p3:1": 40.0})
+    assert selector.pick_prefill(len(LONG), LONG_HASHES, exclude=(pool.get("p3:1"),)) == (pool.get("p2:1"), 40)
+    assert selector.pick_prefill(len(LONG), LONG_HASHES) == (pool.get("p3:1"), 40)
+    # The same with the two holders' media swapped: the cost decides, not the rendezvous home.
+    index.load_snapshot("p2:1", 2, on_device(LONG_HASHES))
+    index.load_snapshot("p3:1", 2, [(h, "disk") for h in LONG_HASHES])
+    assert selector.pick_prefill(len(LONG), LONG_HASHES) == (pool.get("p2:1"), 40)
+    assert selector.pick_prefill(len(LONG), LONG_HASHES, exclude=(pool.get("p2:1"),)) == (pool.get("p3:1"), 40)
+
+
+def test_decode_holding_the_prompt_in_host_memory_prefills_it_itself():
+    async def scenario():
+        _, index, selector = make()
+        index.load_snapshot("d1:1", 1, [(h, "cpu") for h in HASHES[:5]])  # 20 uncached tokens: loads the rest
+        route = await selector.route(PROMPT, HASHES)
+        assert not route.remote_prefill and route.skip_reason == "cached"
+    asyncio.run(scenario())
+
+
+def test_device_pool_fullness_counts_device_blocks_only():
+    pool, index, selector = make()
+    index.load_snapshot("p1:1", 1, [(h, "disk") for h in HASHES] + on_device(HASHES[:2]))
+    (candidate,) = selector._candidates([pool.get("p1:1")], HASHES)
+    assert candidate.kv_blocks_cached == 2 and candidate.held == 6
