@@ -150,13 +150,16 @@ class LLMEngine(KVViews):
                 break
         if drawn:
             sample.detokenizer.take_delta(False)  # the caller already streamed that text
+        if first_token_id is not None and not recompute_prompt and not request.is_finished:
+            self.scheduler.hold_for_load(request)  # part of its KV may still be coming from a lower tier
 
     def reserve_kv(self, request_id: str, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
         """Decode role: blocks for a prompt whose KV is computed elsewhere.
 
-        Locally cached prefix blocks are reused. Returns the block table and how
-        many of its leading blocks already hold the right KV; only the rest need
-        to be pulled. Raises MemoryError when blocks are short (nothing held).
+        Locally cached prefix blocks are reused, those in a lower KV tier loaded
+        back meanwhile. Returns the block table and how many of its leading blocks
+        hold (or are loading) the right KV; only the rest need to be pulled.
+        Raises MemoryError when blocks are short (nothing held).
         """
         self.validate_prompt(prompt_token_ids)
         if request_id in self._groups or request_id in self._reserved:
@@ -165,8 +168,10 @@ class LLMEngine(KVViews):
         hit = self.kv.find_prefix(request_id, prompt_token_ids, cache_salt)
         if self.kv.allocate_slots(request_id, 0, len(prompt_token_ids) - hit.num_tokens, hit) is None:
             raise MemoryError("not enough free KV blocks for this prompt")
-        self._reserved[request_id] = hit.num_tokens
-        return list(self.kv.block_table(request_id)), len(hit.block_ids)
+        num_local = len(hit.block_ids) + self.scheduler.load_reserved(request_id, prompt_token_ids, cache_salt,
+                                                                      len(hit.block_ids))
+        self._reserved[request_id] = num_local * self.kv.block_size
+        return list(self.kv.block_table(request_id)), num_local
 
     def release_kv(self, request_id: str) -> bool:
         """Free blocks kept for a transfer: reserved by `reserve_kv` (decode role,
@@ -174,7 +179,8 @@ class LLMEngine(KVViews):
         if self._reserved.pop(request_id, None) is None and request_id not in self._handed_off:
             return False
         self._handed_off.discard(request_id)
-        self.kv.free(request_id)
+        if not self.scheduler.drop_load(request_id):  # else freed when the lower tier's load ends
+            self.kv.free(request_id)
         return True
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -16,6 +16,8 @@ KV tiers (`offload`, engine/kv_offload/): a waiting request whose prefix goes on
 in host memory or on disk past its device hit gets blocks for those blocks and
 waits in `loading` while they are copied back; then it rejoins the front of the
 queue with them computed. Blocks registered in a step are copied down after it.
+A decode reservation (`load_reserved`) loads the same way while the rest of the
+prompt is pulled; its request waits in `loading` if it comes before the load ends.
 """
 from __future__ import annotations
 
@@ -54,6 +56,19 @@ class ScheduledRequest:
 
 
 @dataclass
+class PendingLoad:
+    """Prefix blocks a lower KV tier is copying back for one request."""
+    request_id: str
+    start: int
+    """Blocks of the prompt already on the device before the loaded ones."""
+    num_found: int
+    request: Request | None = None
+    """None: a decode reservation whose request has not been added yet."""
+    num_loaded: int | None = None
+    """Set when the load ended before its request was added."""
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -71,8 +86,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.offload = None
         """The KV tiers below the block pool (engine/kv_offload/KVOffloader), when configured."""
-        self.loading: dict[str, tuple[Request, int]] = {}
-        """Load key -> (request, device-hit blocks) of requests whose prefix blocks a lower tier is loading."""
+        self.loading: dict[str, PendingLoad] = {}
+        """Load key -> the load of a request's prefix blocks from a lower tier."""
         self._load_keys: dict[str, str] = {}
         self._orphan_loads: set[str] = set()
         self._num_loads = 0
@@ -88,7 +103,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self._orphan_loads)
+        return bool(self.waiting or self.running or self._orphan_loads
+                    or any(p.num_loaded is None for p in self.loading.values()))
 
     @property
     def num_running(self) -> int:
@@ -150,7 +166,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             out.block_copies.extend(copies)
             budget -= num_new
-        if not out.scheduled and self.loading:
+        if not out.scheduled and (self._orphan_loads or any(p.num_loaded is None for p in self.loading.values())):
             self.offload.wait(0.005)  # nothing to run until a load ends: don't let the engine loop spin
         return out
 
@@ -158,39 +174,92 @@ class Scheduler:
     def _start_load(self, request: Request, prefix: PrefixHit) -> bool | None:
         """Load the blocks after `prefix` that a lower tier holds: True (the request now waits in `loading`),
         False (none there), None (blocks or the load budget are short: try again later)."""
-        bs = self.kv.block_size
-        hashes = self.kv.block_hashes(request.request_id, request.all_token_ids, request.cache_salt)
-        start = len(prefix.block_ids)
-        found = self.offload.lookup(hashes, request.all_token_ids, start, (request.num_tokens - 1) // bs)
+        found = self._lower_hit(request.request_id, request.all_token_ids, request.cache_salt, len(prefix.block_ids))
         if not found:
             return False
         if not self.offload.can_load(len(found)) or self.kv.allocate_slots(
-                request.request_id, 0, len(found) * bs, prefix) is None:
+                request.request_id, 0, len(found) * self.kv.block_size, prefix) is None:
             return None
-        self._num_loads += 1
-        key = f"{request.request_id}\x00load{self._num_loads}"
-        self.offload.start_load(key, found, self.kv.block_table(request.request_id)[start:])
+        self._load(PendingLoad(request.request_id, len(prefix.block_ids), len(found), request), found)
         request.status = RequestStatus.LOADING
-        self.loading[key] = (request, start)
-        self._load_keys[request.request_id] = key
         return True
+
+    def load_reserved(self, request_id: str, token_ids: list[int], salt: str, start: int) -> int:
+        """Decode reservation (blocks allocated, the first `start` cached on the device): load the blocks a
+        lower tier holds after them; returns how many (the caller pulls only the rest)."""
+        found = self._lower_hit(request_id, token_ids, salt, start) if self.offload is not None else []
+        if not found or not self.offload.can_load(len(found)):
+            return 0
+        self._load(PendingLoad(request_id, start, len(found)), found)
+        return len(found)
+
+    def hold_for_load(self, request: Request) -> None:
+        """A decode request whose reservation is loading waits in `loading` until the load ends."""
+        key = self._load_keys.get(request.request_id)
+        if key is None:
+            return
+        pending = self.loading[key]
+        self.waiting.remove(request)
+        pending.request = request
+        if pending.num_loaded is None:
+            request.status = RequestStatus.LOADING
+        else:
+            self._loaded(key, pending.num_loaded)
+
+    def drop_load(self, request_id: str) -> bool:
+        """Forget the load of an ended request or reservation; True when it is still running (its blocks are
+        then freed when it ends), False when there is none (the caller frees the blocks)."""
+        key = self._load_keys.pop(request_id, None)
+        if key is None:
+            return False
+        if self.loading.pop(key).num_loaded is not None:
+            return False
+        self.kv.rename(request_id, key)
+        self._orphan_loads.add(key)
+        return True
+
+    def _lower_hit(self, request_id: str, token_ids: list[int], salt: str, start: int) -> list:
+        hashes = self.kv.block_hashes(request_id, token_ids, salt)
+        return self.offload.lookup(hashes, token_ids, start, (len(token_ids) - 1) // self.kv.block_size)
+
+    def _load(self, pending: PendingLoad, found: list) -> None:
+        self._num_loads += 1
+        key = f"{pending.request_id}\x00load{self._num_loads}"
+        table = self.kv.block_table(pending.request_id)
+        self.offload.start_load(key, found, table[pending.start:pending.start + len(found)])
+        self.loading[key] = pending
+        self._load_keys[pending.request_id] = key
 
     def _finish_loads(self) -> None:
         for key, num_loaded in self.offload.poll():
             if key in self._orphan_loads:
                 self._orphan_loads.discard(key)
                 self.kv.free(key)
-                continue
-            request, start = self.loading.pop(key)
-            del self._load_keys[request.request_id]
-            computed = (start + num_loaded) * self.kv.block_size
-            self.kv.truncate(request.request_id, computed)  # blocks past a refused one are recomputed
-            self.kv.cache_computed_blocks(request.request_id, request.all_token_ids, computed, request.cache_salt)
+            elif self.loading[key].request is None:
+                self.loading[key].num_loaded = num_loaded  # its request comes later
+            else:
+                self._loaded(key, num_loaded)
+
+    def _loaded(self, key: str, num_loaded: int) -> None:
+        """The load ended: its request rejoins the front of the queue with what arrived computed (blocks after
+        one that failed its check are recomputed, pulled ones included)."""
+        pending = self.loading.pop(key)
+        request = pending.request
+        del self._load_keys[request.request_id]
+        computed = (pending.start + num_loaded) * self.kv.block_size
+        if not request.num_computed_tokens:  # admitted from the queue: the loaded blocks are all it has
+            self.kv.truncate(request.request_id, computed)
             request.num_computed_tokens = computed
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(computed, request.num_prompt_tokens)
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+        elif num_loaded < pending.num_found:  # a decode request: what it pulled after a refused block is redone
+            self.kv.truncate(request.request_id, computed)
+            request.num_computed_tokens = computed
+            request.num_cached_tokens = min(request.num_cached_tokens, computed)
+        self.kv.cache_computed_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                      request.cache_salt)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput):
         while True:
@@ -249,12 +318,8 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        key = self._load_keys.pop(request.request_id, None)
-        if key is not None:  # its blocks are being filled: freed when the load ends
-            del self.loading[key]
-            self.kv.rename(request.request_id, key)
-            self._orphan_loads.add(key)
-        elif request in self.running:
+        self.drop_load(request.request_id)  # blocks a load still fills are freed when it ends
+        if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)

@@ -217,3 +217,47 @@ def test_config_checks():
         OffloadConfig(disk_dir="/tmp/x", disk_bytes=1 << 20)
     with pytest.raises(ValueError, match="prefix caching"):
         CacheConfig(enable_prefix_caching=False, offload=OffloadConfig(cpu_bytes=1 << 20))
+
+
+def pull_by_copy(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams):
+    """The disaggregated hand-off with the transfer replaced by a tensor copy: prefill computes the prompt and
+    its first token, decode reserves blocks (loading what its tiers hold) and gets only the rest copied."""
+    prefill.add_request("p", prompt, params, prefill_only=True)
+    delta = prefill.step()[0]
+    table, num_local = decode.reserve_kv("d", prompt)
+    src = delta.kv_block_ids
+    for s, d in zip(src[num_local:], table[num_local:], strict=True):
+        decode.runner.kv_cache[d].copy_(prefill.runner.kv_cache[s])
+    prefill.release_kv("p")
+    return delta.token_ids[0], num_local
+
+
+def test_decode_reservation_loads_its_tiers_and_pulls_the_rest(tiny_qwen2_dir, tmp_path, reference):
+    ps, expected = reference
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prefill = make_engine(tiny_qwen2_dir, num_blocks=24)
+    decode = make_engine(tiny_qwen2_dir, num_blocks=12, cpu_bytes=40 * BLOCK_BYTES)
+    for p in ps:  # prompt 0 passes through the decode engine, then leaves its pool for the host tier
+        run(decode, p)
+    with decode.scheduler.offload.io._wake:  # the load is still running when the request comes
+        first, num_local = pull_by_copy(prefill, decode, ps[0], params)
+        assert num_local == 8  # all 8 full blocks from the host tier; only the last, partial one is pulled
+        decode.add_request("d", ps[0], params, first_token_id=first)
+        assert decode.step() == [] and len(decode.scheduler.loading) == 1
+    tokens = [first]
+    while decode.has_unfinished():
+        tokens += [t for d in decode.step() for t in d.token_ids]
+    assert tokens == expected[0]
+    assert decode.kv_tier_stats()["cpu"]["hits"] == 8
+    settle(decode)
+    assert decode.num_kv_blocks_used == 0 and prefill.num_kv_blocks_used == 0
+    # A reservation released while its load runs (the pull failed, or an abort) leaks nothing.
+    decode.kv.pool.reset_prefix_cache()
+    with decode.scheduler.offload.io._wake:
+        assert decode.reserve_kv("gone", ps[1])[1] == 8
+        assert decode.release_kv("gone")
+    while decode.has_unfinished():
+        decode.step()
+    assert decode.num_kv_blocks_used == 0
+    decode.shutdown()
+    prefill.shutdown()
