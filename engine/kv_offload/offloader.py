@@ -32,6 +32,9 @@ from engine.kv_offload.tier_stats import TierStats
 
 logger = logging.getLogger(__name__)
 
+JOB_BLOCKS = 16
+"""Blocks per store or disk-write job: a load (which a request waits on) never queues behind more than that."""
+
 
 class KVOffloader:
     def __init__(self, config: OffloadConfig, kv: KVCacheManager, shards, layout_key: str) -> None:
@@ -99,7 +102,9 @@ class KVOffloader:
             self.kv.pool.touch(block_id)
             items.append((block_id, block_hash, entry.slot))
         if items:
-            self.io.submit(StoreJob(items, self.io.ready_event()))
+            event = self.io.ready_event()
+            for i in range(0, len(items), JOB_BLOCKS):
+                self.io.submit(StoreJob(items[i:i + JOB_BLOCKS], event))
 
     # ---- completions ----------------------------------------------------
     def poll(self) -> list[tuple[str, int]]:
@@ -134,8 +139,8 @@ class KVOffloader:
                     self.host.index.pin(block_hash)
                     writes.append((slot, disk_entry.slot, block_hash, entry.parent_hash, entry.token_ids,
                                    self.disk.next_seq()))
-        if writes:
-            self.io.submit(DiskWriteJob(writes))
+        for i in range(0, len(writes), JOB_BLOCKS):
+            self.io.submit(DiskWriteJob(writes[i:i + JOB_BLOCKS]))
 
     def _stored_on_disk(self, job: DiskWriteJob) -> None:
         for _, _, block_hash, parent, _, _ in job.items:
