@@ -103,8 +103,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._orphan_loads
-                    or any(p.num_loaded is None for p in self.loading.values()))
+        return bool(self.waiting or self.running or (self.offload is not None and self.offload.busy))
 
     @property
     def num_running(self) -> int:
@@ -166,8 +165,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             out.block_copies.extend(copies)
             budget -= num_new
-        if not out.scheduled and (self._orphan_loads or any(p.num_loaded is None for p in self.loading.values())):
-            self.offload.wait(0.005)  # nothing to run until a load ends: don't let the engine loop spin
+        if not out.scheduled and self.offload is not None and self.offload.busy:
+            self.offload.wait(0.005)  # nothing to run until the tiers' I/O ends: don't let the engine loop spin
         return out
 
     # ---- KV tiers ------------------------------------------------------

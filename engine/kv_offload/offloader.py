@@ -50,6 +50,8 @@ class KVOffloader:
         self._to_store: deque[tuple[int, int, int, tuple[int, ...]]] = deque()
         kv.pool.registered = []
         self.num_loading_blocks = 0
+        self._jobs_out = 0
+        """Jobs handed to the I/O thread and not yet processed by `poll`."""
         logger.info("KV tiers: host %d blocks%s", self.host.index.num_slots,
                     f", disk {self.disk.index.num_slots} blocks at {self.disk.path}" if self.disk else "")
 
@@ -76,7 +78,7 @@ class KVOffloader:
         """Copy the `found` blocks into device blocks `block_ids` (reported by `poll` under `key`)."""
         sources = [(tier, h, tier.index.pin(h).slot) for tier, h in found]
         self.num_loading_blocks += len(sources)
-        self.io.submit(LoadJob(key, sources, list(block_ids), self.io.ready_event()), urgent=True)
+        self._submit(LoadJob(key, sources, list(block_ids), self.io.ready_event()), urgent=True)
 
     # ---- stores ---------------------------------------------------------
     def after_step(self) -> None:
@@ -104,7 +106,7 @@ class KVOffloader:
         if items:
             event = self.io.ready_event()
             for i in range(0, len(items), JOB_BLOCKS):
-                self.io.submit(StoreJob(items[i:i + JOB_BLOCKS], event))
+                self._submit(StoreJob(items[i:i + JOB_BLOCKS], event))
 
     # ---- completions ----------------------------------------------------
     def poll(self) -> list[tuple[str, int]]:
@@ -113,6 +115,7 @@ class KVOffloader:
         self.io.done_event.clear()
         while self.io.done:
             job = self.io.done.popleft()
+            self._jobs_out -= 1
             if isinstance(job, StoreJob):
                 self._stored_on_host(job)
             elif isinstance(job, DiskWriteJob):
@@ -140,7 +143,7 @@ class KVOffloader:
                     writes.append((slot, disk_entry.slot, block_hash, entry.parent_hash, entry.token_ids,
                                    self.disk.next_seq()))
         for i in range(0, len(writes), JOB_BLOCKS):
-            self.io.submit(DiskWriteJob(writes[i:i + JOB_BLOCKS]))
+            self._submit(DiskWriteJob(writes[i:i + JOB_BLOCKS]))
 
     def _stored_on_disk(self, job: DiskWriteJob) -> None:
         for _, _, block_hash, parent, _, _ in job.items:
@@ -166,7 +169,17 @@ class KVOffloader:
             self.stats[tier.medium].observe_load(job.seconds)
         return job.num_loaded
 
+    def _submit(self, job, urgent: bool = False) -> None:
+        self._jobs_out += 1
+        self.io.submit(job, urgent)
+
     # ---- views ------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """True while blocks wait to be copied down or a job is out (the engine keeps stepping to finish them:
+        pinned device blocks are released and disk writes queued only when `poll` sees their stores end)."""
+        return bool(self._jobs_out or self._to_store)
+
     def wait(self, timeout: float) -> None:
         """Sleep until the I/O thread finishes a job (or `timeout` seconds)."""
         self.io.done_event.wait(timeout)

@@ -37,11 +37,10 @@ def run(engine: LLMEngine, prompt: list[int]):
 
 
 def settle(engine: LLMEngine) -> None:
-    offload = engine.scheduler.offload
-    while offload.io.busy or offload.io.done or offload._to_store:
-        offload.wait(0.01)
-        assert offload.poll() == []
-        offload.after_step()
+    """An idle engine keeps stepping until its tiers' copies are done (stores end, pins are released)."""
+    while engine.has_unfinished():
+        assert engine.step() == []
+    assert not engine.scheduler.offload.busy and engine.num_kv_blocks_used == 0
 
 
 def device_block_bytes(engine: LLMEngine, prompt: list[int], num_blocks: int) -> list[torch.Tensor]:

@@ -1,0 +1,51 @@
+"""KV cache tiers through the cluster: workers restarted with the same --kv-offload-dir find their disk tier
+again, announce it to the router (KV events with medium "disk") and serve a returning prompt's prefix from it."""
+import random
+import time
+
+from tests.cluster.harness import (
+    assert_no_leaks,
+    free_port,
+    generate_routed,
+    metric_value,
+    start_router,
+    start_workers,
+    stop_all,
+    wait_until_idle,
+)
+
+
+def test_restarted_workers_serve_a_prefix_from_their_disk_tier(tmp_path):
+    rng = random.Random(7)
+    prompt = [rng.randrange(1000, 40000) for _ in range(200)]  # 12 full blocks
+    ports = {"prefill": free_port(), "decode": free_port()}
+    tiers = {role: ["--kv-offload-cpu-gib", "0.05", "--kv-offload-dir", str(tmp_path / role),
+                    "--kv-offload-disk-gib", "0.2", "--metrics-port", str(ports[role])]
+             for role in ("prefill", "decode")}
+    prefill, decode = start_workers([["prefill", *tiers["prefill"]], ["decode", *tiers["decode"]]])
+    router_metrics = free_port()
+    router = start_router([prefill], [decode], "--metrics-port", str(router_metrics))
+    try:
+        first = generate_routed(router, prompt, max_tokens=6)
+        assert first["cached"] == 0
+        wait_until_idle([prefill.address, decode.address])
+        for worker in (prefill, decode):  # the device pools are gone; the disk files stay
+            worker.stop()
+            worker.restart()
+        disk_blocks = 0.0
+        for _ in range(100):  # the router resyncs from the restarted workers' snapshots
+            disk_blocks = sum(metric_value(f"http://127.0.0.1:{router_metrics}/metrics", "pdserve:kv_index_blocks",
+                                           worker=w.address, medium="disk") or 0 for w in (prefill, decode))
+            if disk_blocks >= 24:
+                break
+            time.sleep(0.2)
+        assert disk_blocks >= 24  # both workers announced the prompt's 12 blocks on disk
+        again = generate_routed(router, prompt, max_tokens=6)
+        assert again["tokens"] == first["tokens"]
+        assert again["cached"] == 192  # every full block but none computed again
+        hits = sum(metric_value(f"http://127.0.0.1:{ports[role]}/metrics", "pdserve:kv_tier_hits_total",
+                                medium="disk") or 0 for role in ("prefill", "decode"))
+        assert hits >= 12
+        assert_no_leaks([prefill, decode])
+    finally:
+        stop_all([router, prefill, decode])
