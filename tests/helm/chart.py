@@ -21,6 +21,7 @@ CASES = {
     "monitoring": ["monitoring-values.yaml"],
     "security": ["security-values.yaml"],
     "internal-tls": ["internal-tls-values.yaml"],
+    "kv-tiers": ["kv-tiers-values.yaml"],
 }
 GENERATED_PASSWORD = re.compile(r"^(  (?:redis-password|cluster-secret): ).+$", re.MULTILINE)
 

@@ -1,7 +1,7 @@
-"""A real Prometheus scrapes a local cluster (router + prefill + decode, each with --metrics-port) during
-a short load test: every PromQL expression of the shipped dashboards and alert rules parses and returns
-data (every metric they name is exported), the rule files load, and the router's TTFT p50 from its
-histogram agrees with the load tester's client-side p50.
+"""A real Prometheus scrapes a local cluster (router + prefill + decode, each with --metrics-port and both
+KV cache tiers on) during a short load test: every PromQL expression of the shipped dashboards and alert
+rules parses and returns data (every metric they name is exported), the rule files load, and the router's
+TTFT p50 from its histogram agrees with the load tester's client-side p50.
 
 Tolerance of the TTFT agreement: histogram_quantile interpolates linearly inside one bucket, so its
 resolution is the width of the bucket holding the value; the client also pays the gRPC hop the router
@@ -27,13 +27,20 @@ TTFT_EXTRA_MS = 25.0
 NUM_PROMPTS = 20
 
 
+def kv_tier_flags(directory) -> list[str]:
+    """Both KV tiers (host memory and a disk arena), so the dashboard's tier panels have series."""
+    return ["--kv-offload-cpu-gib", "0.0625", "--kv-offload-dir", str(directory), "--kv-offload-disk-gib", "0.125"]
+
+
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir):
+def cluster(smollm2_dir, tmp_path_factory):
     ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
     procs = []
     try:
-        procs.append(start_worker("prefill", "--metrics-port", str(ports["prefill"])))
-        procs.append(start_worker("decode", "--metrics-port", str(ports["decode"])))
+        procs.append(start_worker("prefill", "--metrics-port", str(ports["prefill"]),
+                                  *kv_tier_flags(tmp_path_factory.mktemp("kv-prefill"))))
+        procs.append(start_worker("decode", "--metrics-port", str(ports["decode"]),
+                                  *kv_tier_flags(tmp_path_factory.mktemp("kv-decode"))))
         procs.append(start_router(procs[:1], procs[1:], "--metrics-port", str(ports["router"])))
         yield procs[2].address, {job: [f"127.0.0.1:{p}"] for job, p in ports.items()}
     finally:
@@ -120,3 +127,9 @@ def test_worker_metrics_count_the_load(cluster, prometheus):
     assert value('sum(pdserve:kv_transfer_time_seconds_count{role="decode"})') >= NUM_PROMPTS - 2
     assert value('sum(pdserve:num_requests_running)') == 0
     assert value('sum(pdserve:request_time_per_output_token_seconds_count)') == NUM_PROMPTS
+    # Both KV tiers are on (kv_tier_flags): each worker reports each medium's capacity.
+    for medium, gib in (("cpu", 0.0625), ("disk", 0.125)):
+        for role in ("prefill", "decode"):
+            capacity = value(f'sum(pdserve:kv_tier_capacity_bytes{{role="{role}",medium="{medium}"}})')
+            assert 0 < capacity <= gib * 2**30, (role, medium, capacity)
+    assert value('sum(pdserve:kv_tier_used_bytes)') >= 0

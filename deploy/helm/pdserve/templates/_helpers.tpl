@@ -521,3 +521,85 @@ matchExpressions:
 {{- fail (printf "%s.tensorParallelSize=%d needs %s.resources.limits nvidia.com/gpu >= %d (one GPU per rank), got %d" .role (int $w.tensorParallelSize) .role (int $w.tensorParallelSize) $gpus) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* KV cache tiers of a pool (<role>.kvOffload): tier 2 in host memory, tier 3 an arena on local disk
+     mounted at pdserve.kvOffloadDir. Each takes (dict "root" $ "role" "prefill"). */}}
+{{- define "pdserve.kvOffloadDir" -}}
+/var/cache/pdserve/kv
+{{- end -}}
+
+{{- define "pdserve.kvOffload" -}}
+{{- toJson ((index .root.Values .role).kvOffload | default dict) -}}
+{{- end -}}
+
+{{/* Worker flags --kv-offload-*: none while cpuGiB is 0. */}}
+{{- define "pdserve.kvOffloadArgs" -}}
+{{- include "pdserve.checkKvOffload" . -}}
+{{- $o := include "pdserve.kvOffload" . | fromJson -}}
+{{- $d := $o.disk | default dict -}}
+{{- if gt (float64 ($o.cpuGiB | default 0)) 0.0 }}
+- --kv-offload-cpu-gib
+- {{ $o.cpuGiB | quote }}
+{{- if $d.enabled }}
+- --kv-offload-dir
+- {{ include "pdserve.kvOffloadDir" .root }}
+- --kv-offload-disk-gib
+- {{ $d.sizeGiB | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The disk tier's volume: an emptyDir (sizeLimit sizeGiB + 1Gi: the arena's header and block records
+     come on top of its blocks, and a pod past its sizeLimit is evicted) or a hostPath directory. */}}
+{{- define "pdserve.kvOffloadVolume" -}}
+{{- $d := (include "pdserve.kvOffload" . | fromJson).disk | default dict -}}
+{{- if $d.enabled }}
+- name: kv-offload
+  {{- if eq (($d.volume | default dict).type | default "emptyDir") "hostPath" }}
+  hostPath:
+    path: {{ $d.volume.hostPath }}
+    type: Directory
+  {{- else }}
+  emptyDir:
+    sizeLimit: {{ addf $d.sizeGiB 1 }}Gi
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.kvOffloadMount" -}}
+{{- $d := (include "pdserve.kvOffload" . | fromJson).disk | default dict -}}
+{{- if $d.enabled }}
+- {name: kv-offload, mountPath: {{ include "pdserve.kvOffloadDir" .root }}}
+{{- end }}
+{{- end -}}
+
+{{/* The disk tier sits below the host tier and needs a size (and a path for hostPath); the host tier is
+     part of the container's memory, so a limits.memory given in Gi must be larger than cpuGiB. */}}
+{{- define "pdserve.checkKvOffload" -}}
+{{- $w := index .root.Values .role -}}
+{{- $o := include "pdserve.kvOffload" . | fromJson -}}
+{{- $d := $o.disk | default dict -}}
+{{- $cpu := float64 ($o.cpuGiB | default 0) -}}
+{{- if $d.enabled -}}
+{{- if le $cpu 0.0 -}}
+{{- fail (printf "%s.kvOffload.disk.enabled needs %s.kvOffload.cpuGiB > 0 (the disk tier sits below the host-memory tier)" .role .role) -}}
+{{- end -}}
+{{- if le (float64 ($d.sizeGiB | default 0)) 0.0 -}}
+{{- fail (printf "%s.kvOffload.disk.enabled needs %s.kvOffload.disk.sizeGiB > 0" .role .role) -}}
+{{- end -}}
+{{- if and (eq (($d.volume | default dict).type | default "emptyDir") "hostPath") (not $d.volume.hostPath) -}}
+{{- fail (printf "%s.kvOffload.disk.volume.type=hostPath needs %s.kvOffload.disk.volume.hostPath (a directory on the node)" .role .role) -}}
+{{- end -}}
+{{- end -}}
+{{- $mem := index ($w.resources.limits | default dict) "memory" | default "" | toString -}}
+{{- if and (gt $cpu 0.0) (regexMatch "^[0-9]+(\\.[0-9]+)?Gi$" $mem) (le (float64 (trimSuffix "Gi" $mem)) $cpu) -}}
+{{- fail (printf "%s.kvOffload.cpuGiB=%v lives in the container's memory: %s.resources.limits.memory (%s) must be larger" .role $o.cpuGiB .role $mem) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* raycluster mode: `pdserve serve` gives both pools one set of engine flags. */}}
+{{- define "pdserve.checkRayKvOffload" -}}
+{{- if ne (include "pdserve.kvOffloadArgs" (dict "root" . "role" "prefill")) (include "pdserve.kvOffloadArgs" (dict "root" . "role" "decode")) -}}
+{{- fail "mode=raycluster: `pdserve serve` gives both pools the same engine flags, so prefill.kvOffload and decode.kvOffload must ask for the same tiers (cpuGiB, disk.enabled, disk.sizeGiB)" -}}
+{{- end -}}
+{{- end -}}
