@@ -166,6 +166,7 @@ class Scheduler:
             out.block_copies.extend(copies)
             budget -= num_new
         if not out.scheduled and self.offload is not None and self.offload.busy:
+            self.offload.after_step()  # blocks still waiting for a host slot
             self.offload.wait(0.005)  # nothing to run until the tiers' I/O ends: don't let the engine loop spin
         return out
 

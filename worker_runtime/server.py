@@ -153,7 +153,7 @@ class WorkerServer:
         if self._transfer_side is not None:
             self._transfer_side.close()
         if self.engine is not None:
-            self.engine.shutdown()  # the tensor-parallel ranks, if any
+            self.engine.shutdown()  # the tensor-parallel ranks and the KV tiers' I/O, if any
         if self._metrics is not None:
             self._metrics.close()
 

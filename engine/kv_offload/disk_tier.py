@@ -156,6 +156,9 @@ class DiskTier:
             return
         del self.data
         self._map.flush()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a tensor view of a row is still alive: the mapping goes with it
+            pass
         os.close(self._fd)
         self._fd = -1

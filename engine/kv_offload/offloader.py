@@ -1,11 +1,15 @@
 """KV cache tiers behind the block pool: what the engine thread does with them.
 
-Store (write-through, as vLLM's offloading connector and LMCache do): every
-block the pool registers in its prefix cache is copied down to the host tier
-after the step that computed it, and from there to the disk tier, by the I/O
-thread. The device block is pinned (one extra reference) until its copy is
-made, so eviction from the pool costs nothing and loses nothing: the block is
-already below. At most `max_store_blocks_per_step` blocks start down per step.
+Store: every block the pool registers in its prefix cache is copied down to
+the host tier after the step that computed it (write-through, as vLLM's
+offloading connector and LMCache do), by the I/O thread. The device block is
+pinned (one extra reference) until its copy is made, so an eviction from the
+pool costs nothing and loses nothing: the block is already below. At most
+`max_store_blocks_per_step` blocks start down per step. A block the host tier
+evicts is written to the disk tier (write-back: the disk sees only what the
+host cannot hold) before its slot is reused (the I/O thread runs stores in
+order); on close the host tier's blocks are written to disk too, so a restart
+finds them.
 
 Load: when a waiting request's prefix continues in a lower tier past its
 device hit, the scheduler gives it blocks and `start_load` copies the lower
@@ -85,7 +89,7 @@ class KVOffloader:
         """Start copying down the blocks registered since the last call (within the step's budget)."""
         self._to_store.extend(self.kv.pool.registered)
         self.kv.pool.registered.clear()
-        items = []
+        items, writes = [], []
         while self._to_store and len(items) < self.config.max_store_blocks_per_step:
             block_id, block_hash, parent, tokens = self._to_store[0]
             if self.kv.pool.blocks[block_id].block_hash != block_hash:  # evicted before its turn
@@ -100,13 +104,31 @@ class KVOffloader:
                 break  # every host slot is busy: later
             self._to_store.popleft()
             entry, evicted = placed
-            self._announce_removed(self.host, evicted)
+            self._announce_removed(self.host, [h for h, _ in evicted])
+            writes.extend(self._to_disk(evicted))
             self.kv.pool.touch(block_id)
             items.append((block_id, block_hash, entry.slot))
+        for i in range(0, len(writes), JOB_BLOCKS):  # before the stores that reuse their host slots
+            self._submit(DiskWriteJob(writes[i:i + JOB_BLOCKS]))
         if items:
             event = self.io.ready_event()
             for i in range(0, len(items), JOB_BLOCKS):
                 self._submit(StoreJob(items[i:i + JOB_BLOCKS], event))
+
+    def _to_disk(self, evicted) -> list[tuple]:
+        """Disk writes for blocks leaving the host tier (those not on disk yet, while the disk has room)."""
+        writes = []
+        for block_hash, entry in evicted:
+            if self.disk is None or block_hash in self.disk.index:
+                continue
+            placed = self.disk.index.put(block_hash, entry.parent_hash, entry.token_ids)
+            if placed is None:
+                continue
+            disk_entry, gone = placed
+            self._announce_removed(self.disk, [h for h, _ in gone])
+            writes.append((entry.slot, disk_entry.slot, block_hash, entry.parent_hash, entry.token_ids,
+                           self.disk.next_seq()))
+        return writes
 
     # ---- completions ----------------------------------------------------
     def poll(self) -> list[tuple[str, int]]:
@@ -125,8 +147,7 @@ class KVOffloader:
         return loads
 
     def _stored_on_host(self, job: StoreJob) -> None:
-        writes = []
-        for block_id, block_hash, slot in job.items:
+        for block_id, block_hash, _ in job.items:
             self.kv.pool.release(block_id)
             if not job.ok:
                 self.host.index.remove(block_hash)
@@ -134,20 +155,9 @@ class KVOffloader:
             entry = self.host.index.mark_ready(block_hash)
             self.stats["cpu"].bytes_stored += self.pool.block_bytes
             self._announce(BlockStored(block_hash, entry.parent_hash, "cpu"))
-            if self.disk is not None and block_hash not in self.disk.index:
-                placed = self.disk.index.put(block_hash, entry.parent_hash, entry.token_ids)
-                if placed is not None:
-                    disk_entry, evicted = placed
-                    self._announce_removed(self.disk, evicted)
-                    self.host.index.pin(block_hash)
-                    writes.append((slot, disk_entry.slot, block_hash, entry.parent_hash, entry.token_ids,
-                                   self.disk.next_seq()))
-        for i in range(0, len(writes), JOB_BLOCKS):
-            self._submit(DiskWriteJob(writes[i:i + JOB_BLOCKS]))
 
     def _stored_on_disk(self, job: DiskWriteJob) -> None:
         for _, _, block_hash, parent, _, _ in job.items:
-            self.host.index.unpin(block_hash)
             if not job.ok:
                 self.disk.index.remove(block_hash)
                 continue
@@ -191,9 +201,15 @@ class KVOffloader:
         return {t.medium: self.stats[t.medium].snapshot(len(t.index) * self.pool.block_bytes) for t in self.tiers}
 
     def close(self) -> None:
+        """Stop the I/O thread; write the host tier's blocks that are not on disk yet to it (most recently used
+        last, so they are the last evicted after a restart); release the tiers."""
         self.io.stop()
         if self.disk is not None:
-            self.disk.close()
+            ready = [(h, self.host.index.get(h)) for h in self.host.index.hashes()]
+            for host_slot, disk_slot, block_hash, parent, tokens, seq in self._to_disk(ready):
+                self.disk.write(disk_slot, block_hash, parent, tokens, seq, self.host.row(host_slot))
+        for tier in self.tiers:
+            tier.close()
 
     def _announce(self, event) -> None:
         if self.kv.pool.events is not None:

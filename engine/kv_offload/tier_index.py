@@ -49,9 +49,10 @@ class TierIndex:
         return entry
 
     def put(self, block_hash: int, parent_hash: int, token_ids, ready: bool = False,
-            slot: int | None = None) -> tuple[TierEntry, list[int]] | None:
+            slot: int | None = None) -> tuple[TierEntry, list[tuple[int, TierEntry]]] | None:
         """A slot for a new hash (the least recently used ready, unpinned entry evicted when the tier is full):
-        (entry, evicted hashes), or None when every slot is busy. `slot` places it there (warm restart)."""
+        (entry, evicted (hash, entry) pairs), or None when every slot is busy. `slot` places it there (warm
+        restart)."""
         if block_hash in self._entries:
             raise ValueError(f"block {block_hash:#x} is already in the tier")
         evicted = []
@@ -63,8 +64,9 @@ class TierIndex:
             victim = next((h for h, e in self._entries.items() if e.ready and not e.pins), None)
             if victim is None:
                 return None
-            slot = self._entries.pop(victim).slot
-            evicted.append(victim)
+            gone = self._entries.pop(victim)
+            slot = gone.slot
+            evicted.append((victim, gone))
         entry = TierEntry(slot, parent_hash, tuple(token_ids), ready=ready)
         self._entries[block_hash] = entry
         return entry, evicted

@@ -103,6 +103,7 @@ class TierIO:
         return bool(self._urgent or self._jobs)
 
     def stop(self) -> None:
+        """Finish the jobs given so far, then end the thread."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
@@ -113,8 +114,8 @@ class TierIO:
             with self._wake:
                 while not (self._urgent or self._jobs or self._stopped):
                     self._wake.wait()
-                if self._stopped:
-                    return
+                if not (self._urgent or self._jobs):
+                    return  # stopped, with every job given done
                 job = (self._urgent or self._jobs).popleft()
             try:
                 self._execute(job)

@@ -97,19 +97,22 @@ def test_greedy_outputs_equal_with_and_without_offload(tiny_qwen2_dir, tmp_path,
 def test_prefix_assembled_across_device_cpu_disk_and_miss(tiny_qwen2_dir, tmp_path, reference):
     ps, expected = reference
     prompt = ps[0]
-    engine = make_engine(tiny_qwen2_dir, num_blocks=24, cpu_bytes=40 * BLOCK_BYTES, disk_dir=str(tmp_path),
+    engine = make_engine(tiny_qwen2_dir, num_blocks=24, cpu_bytes=3 * BLOCK_BYTES, disk_dir=str(tmp_path),
                          disk_bytes=64 * BLOCK_BYTES)
-    run(engine, prompt)
-    original = device_block_bytes(engine, prompt, 5)
     hashes = engine.kv.block_hashes("probe", prompt)
     engine.kv.free("probe")
     offload = engine.scheduler.offload
+    run(engine, prompt)  # the host keeps blocks 5-7; 0-4 went on to disk as the host evicted them
+    original = device_block_bytes(engine, prompt, 5)
     assert engine.kv.pool.reset_prefix_cache()  # the device forgets everything
-    run(engine, prompt[:BS + 1])  # block 0 comes back onto the device
-    for h in hashes[3:]:
-        offload.host.index.remove(h)  # blocks 3.. only on disk
+    run(engine, prompt[:3 * BS + 1])  # blocks 0-2 come back from disk, and onto the host (5-7 go to disk)
+    assert engine.kv.pool.reset_prefix_cache()
+    run(engine, prompt[:BS + 1])  # block 0 comes back onto the device, from the host
     for h in hashes[5:]:
-        offload.disk.index.remove(h)  # blocks 5.. nowhere
+        assert offload.disk.index.remove(h)  # blocks 5.. nowhere
+    assert [h in offload.host.index for h in hashes[:5]] == [True, True, True, False, False]
+    assert engine.kv.find_prefix("x", prompt).num_tokens == BS  # block 0 alone on the device
+    engine.kv.free("x")
     before = {m: dict(s) for m, s in engine.kv_tier_stats().items()}
     assert run(engine, prompt) == (expected[0], 5 * BS)
     after = engine.kv_tier_stats()
