@@ -15,7 +15,8 @@ all the others pass through the pool. A chat's next turn is sent after its previ
 Measured at the client: prefill tokens computed = prompt tokens - usage.cached_tokens (what the engine
 that prefilled reused, device or lower tier); TTFT (send -> first token), ITL (gaps between tokens),
 output throughput over the run's wall time. "ITL after token 2" leaves out each request's first gap, which
-holds the hand-off from prefill to decode (the KV pull, and with tiers a load from the decode worker's own).
+holds the hand-off from prefill to decode (the KV pull, and with tiers a load from the decode worker's own);
+"requests decoding at once" is the mean decode batch while any request decodes (ITL grows with it).
 
   PYTHONPATH=. .venv/bin/python bench/kv_offload.py [--conversations 16 --turns 4]
 """
@@ -56,7 +57,7 @@ async def one_turn(stub, rid: str, prompt: list[int], output_len: int) -> dict:
         elif msg.HasField("complete"):
             cached = msg.complete.usage.cached_tokens
     return {"ttft": times[0] - sent, "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
-            "tokens": tokens, "cached": cached, "prompt": len(prompt)}
+            "tokens": tokens, "cached": cached, "prompt": len(prompt), "decoding": (times[1], times[-1])}
 
 
 async def run_chats(address: str, args) -> tuple[list[dict], float]:
@@ -95,8 +96,8 @@ def run_config(name: str, args, pool_gib: float) -> dict:
     procs, tmp = [], tempfile.TemporaryDirectory(prefix="pdserve-kv-tier-")
     try:
         for role in ("prefill", "decode"):
-            tiers = [] if name == "off" else ["--kv-offload-cpu-gib", str(args.cpu_gib)]
-            if name == "on":
+            tiers = [] if name == "off" or role not in args.tier_roles else ["--kv-offload-cpu-gib", str(args.cpu_gib)]
+            if name == "on" and tiers:
                 tiers += ["--kv-offload-dir", f"{tmp.name}/{role}", "--kv-offload-disk-gib", str(args.disk_gib)]
             procs.append(start(role, [f"{role}-worker", *flags, *tiers]))
         router = start("router", ["router", "--port", "0", "--model", args.model,
@@ -111,21 +112,39 @@ def run_config(name: str, args, pool_gib: float) -> dict:
     ttft = [r["ttft"] for r in results]
     itl = [g for r in results for g in r["itl"]]
     steady = [g for r in results for g in r["itl"][1:]]
+    handoff = [r["itl"][0] for r in results if r["itl"]]
     return {"prefill_tokens_computed": sum(r["prompt"] - r["cached"] for r in results),
             "prompt_tokens": sum(r["prompt"] for r in results),
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "later_turn_ttft_p50_ms": pct([r["ttft"] for r in later], 50),
             "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
             "decode_itl_p50_ms": pct(steady, 50), "decode_itl_p99_ms": pct(steady, 99),
+            "handoff_p50_ms": pct(handoff, 50), "handoff_p99_ms": pct(handoff, 99),
+            "decode_batch": decode_batch([r["decoding"] for r in results]),
             "output_tok_s": sum(len(r["itl"]) + 1 for r in results) / wall, "wall_s": wall,
             "requests": len(results)}
+
+
+def decode_batch(spans: list[tuple[float, float]]) -> float:
+    """Requests decoding at once (from their second token to their last), averaged over the time any is."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    busy = weighted = 0.0
+    level, last = 0, None
+    for t, step in edges:
+        if last is not None and level:
+            busy += t - last
+            weighted += level * (t - last)
+        level, last = level + step, t
+    return weighted / busy if busy else 0.0
 
 
 ROWS = [("prefill tokens computed", "prefill_tokens_computed", "d"), ("prompt tokens", "prompt_tokens", "d"),
         ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p99 ms", "ttft_p99_ms", ".0f"),
         ("TTFT p50 ms, turns 2+", "later_turn_ttft_p50_ms", ".0f"), ("ITL p50 ms", "itl_p50_ms", ".1f"),
         ("ITL p99 ms", "itl_p99_ms", ".1f"), ("ITL p50 ms, after token 2", "decode_itl_p50_ms", ".1f"),
-        ("ITL p99 ms, after token 2", "decode_itl_p99_ms", ".1f"), ("output tok/s", "output_tok_s", ".1f"),
+        ("ITL p99 ms, after token 2", "decode_itl_p99_ms", ".1f"),
+        ("token 1 -> 2 (hand-off) p50 ms", "handoff_p50_ms", ".0f"), ("token 1 -> 2 p99 ms", "handoff_p99_ms", ".0f"),
+        ("requests decoding at once", "decode_batch", ".2f"), ("output tok/s", "output_tok_s", ".1f"),
         ("wall s", "wall_s", ".0f")]
 
 
@@ -143,6 +162,7 @@ def main() -> int:
     ap.add_argument("--cpu-gib", type=float, default=1.0)
     ap.add_argument("--disk-gib", type=float, default=2.0)
     ap.add_argument("--configs", default="off,on", help="comma-separated: off, cpu (host tier only), on")
+    ap.add_argument("--tier-roles", default="prefill,decode", help="which workers get the tiers (cpu, on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default="bench/results/kv_offload.json")
     args = ap.parse_args()

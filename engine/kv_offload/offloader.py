@@ -208,6 +208,7 @@ class KVOffloader:
             ready = [(h, self.host.index.get(h)) for h in self.host.index.hashes()]
             for host_slot, disk_slot, block_hash, parent, tokens, seq in self._to_disk(ready):
                 self.disk.write(disk_slot, block_hash, parent, tokens, seq, self.host.row(host_slot))
+                self.disk.index.mark_ready(block_hash)
         for tier in self.tiers:
             tier.close()
 

@@ -147,12 +147,23 @@ def test_abort_while_loading_frees_everything(tiny_qwen2_dir, tmp_path, referenc
     engine.shutdown()
 
 
+def disk_tier_written_by_one_engine(model_dir, tmp_path, prompt: list[int]) -> tuple[dict, dict]:
+    """Run `prompt` on an engine with a host and a disk tier, then shut it down (the host tier's blocks go to
+    disk); returns the tiers' settings and where the prompt's blocks lie in the file."""
+    tiers = {"cpu_bytes": 4 * BLOCK_BYTES, "disk_dir": str(tmp_path), "disk_bytes": 64 * BLOCK_BYTES}
+    engine = make_engine(model_dir, num_blocks=12, **tiers)
+    run(engine, prompt)
+    disk = engine.scheduler.offload.disk
+    hashes = engine.kv.block_hashes("probe", prompt)
+    where = {"path": disk.path, "data_offset": disk.data_offset, "hashes": hashes}
+    engine.shutdown()
+    where["slots"] = [disk.index.get(h).slot for h in hashes]
+    return tiers, where
+
+
 def test_warm_restart_serves_prefix_from_disk(tiny_qwen2_dir, tmp_path, reference):
     ps, expected = reference
-    tiers = {"cpu_bytes": 4 * BLOCK_BYTES, "disk_dir": str(tmp_path), "disk_bytes": 64 * BLOCK_BYTES}
-    first = make_engine(tiny_qwen2_dir, num_blocks=12, **tiers)
-    run(first, ps[0])
-    first.shutdown()
+    tiers, _ = disk_tier_written_by_one_engine(tiny_qwen2_dir, tmp_path, ps[0])
     second = make_engine(tiny_qwen2_dir, num_blocks=12, **tiers)
     assert len(second.offloaded_block_hashes()["disk"]) == 8  # announced before any request
     assert run(second, ps[0]) == (expected[0], 8 * BS)
@@ -162,15 +173,10 @@ def test_warm_restart_serves_prefix_from_disk(tiny_qwen2_dir, tmp_path, referenc
 
 def test_corrupted_disk_block_is_refused(tiny_qwen2_dir, tmp_path, reference):
     ps, expected = reference
-    tiers = {"cpu_bytes": 4 * BLOCK_BYTES, "disk_dir": str(tmp_path), "disk_bytes": 64 * BLOCK_BYTES}
-    first = make_engine(tiny_qwen2_dir, num_blocks=12, **tiers)
-    run(first, ps[0])
-    disk = first.scheduler.offload.disk
-    hashes = first.kv.block_hashes("probe", ps[0])
-    slot, path, data_offset = disk.index.get(hashes[3]).slot, disk.path, disk.data_offset
-    first.shutdown()
-    with open(path, "r+b") as f:  # flip one byte of block 3
-        f.seek(data_offset + slot * BLOCK_BYTES + 100)
+    tiers, where = disk_tier_written_by_one_engine(tiny_qwen2_dir, tmp_path, ps[0])
+    hashes = where["hashes"]
+    with open(where["path"], "r+b") as f:  # flip one byte of block 3
+        f.seek(where["data_offset"] + where["slots"][3] * BLOCK_BYTES + 100)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
@@ -187,11 +193,8 @@ def test_corrupted_disk_block_is_refused(tiny_qwen2_dir, tmp_path, reference):
 @pytest.mark.parametrize("change", ["dtype", "header"])
 def test_foreign_layout_disk_file_is_discarded(tiny_qwen2_dir, tmp_path, reference, change):
     ps, expected = reference
-    tiers = {"cpu_bytes": 4 * BLOCK_BYTES, "disk_dir": str(tmp_path), "disk_bytes": 64 * BLOCK_BYTES}
-    first = make_engine(tiny_qwen2_dir, num_blocks=12, **tiers)
-    run(first, ps[0])
-    path = first.scheduler.offload.disk.path
-    first.shutdown()
+    tiers, where = disk_tier_written_by_one_engine(tiny_qwen2_dir, tmp_path, ps[0])
+    path = where["path"]
     if change == "header":
         with open(path, "r+b") as f:  # the layout key inside the JSON header
             head = f.read(HEADER_BYTES)
