@@ -14,6 +14,9 @@ class KVViews:
         from engine.kv_offload.layout_key import layout_key
         from engine.kv_offload.offloader import KVOffloader
         shards = self.runner.kv_shards()
+        if len(shards) > 1 and self.runner.device.type == "cuda":
+            # The I/O thread's copies wait for rank 0's stream only; the other GPUs' steps are not fenced.
+            raise ValueError("KV offload tiers with tensor parallelism on CUDA are not supported yet")
         self.scheduler.offload = KVOffloader(offload, self.kv, shards,
                                              layout_key(self.model_path, shards, self.runner.kv_scales))
 

@@ -266,3 +266,17 @@ def test_decode_reservation_loads_its_tiers_and_pulls_the_rest(tiny_qwen2_dir, t
     assert decode.num_kv_blocks_used == 0
     decode.shutdown()
     prefill.shutdown()
+
+
+def test_pool_view_keeps_each_rank_heads_apart():
+    """With tensor parallelism a tier's row is every rank's share of the block, back to the rank that owns it."""
+    from engine.kv_offload.pool_view import PoolView
+    shards = [torch.randn(4, 2, 2, BS, heads, 8) for heads in (1, 3)]
+    view = PoolView(shards)
+    assert view.block_bytes == sum(s[0].numel() * 4 for s in shards)
+    row = torch.empty(view.block_bytes, dtype=torch.uint8)
+    view.copy_out(2, row)
+    for shard in shards:
+        shard[1].zero_()
+    view.copy_in(row, 1)
+    assert all(torch.equal(s[1], s[2]) for s in shards)
