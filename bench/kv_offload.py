@@ -57,7 +57,8 @@ async def one_turn(stub, rid: str, prompt: list[int], output_len: int) -> dict:
         elif msg.HasField("complete"):
             cached = msg.complete.usage.cached_tokens
     return {"ttft": times[0] - sent, "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
-            "tokens": tokens, "cached": cached, "prompt": len(prompt), "decoding": (times[1], times[-1])}
+            "tokens": tokens, "cached": cached, "prompt": len(prompt),
+            "decoding": (times[min(1, len(times) - 1)], times[-1])}
 
 
 async def run_chats(address: str, args) -> tuple[list[dict], float]:
