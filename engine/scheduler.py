@@ -180,7 +180,8 @@ class Scheduler:
         if not self.offload.can_load(len(found)) or self.kv.allocate_slots(
                 request.request_id, 0, len(found) * self.kv.block_size, prefix) is None:
             return None
-        self._load(PendingLoad(request.request_id, len(prefix.block_ids), len(found), request), found)
+        self._load(PendingLoad(request.request_id, len(prefix.block_ids), len(found), request), found,
+                   request.all_token_ids)
         request.status = RequestStatus.LOADING
         return True
 
@@ -190,7 +191,7 @@ class Scheduler:
         found = self._lower_hit(request_id, token_ids, salt, start) if self.offload is not None else []
         if not found or not self.offload.can_load(len(found)):
             return 0
-        self._load(PendingLoad(request_id, start, len(found)), found)
+        self._load(PendingLoad(request_id, start, len(found)), found, token_ids)
         return len(found)
 
     def hold_for_load(self, request: Request) -> None:
@@ -219,14 +220,22 @@ class Scheduler:
         return True
 
     def _lower_hit(self, request_id: str, token_ids: list[int], salt: str, start: int) -> list:
+        """Blocks after `start` a lower tier holds; when none, that miss is counted now."""
         hashes = self.kv.block_hashes(request_id, token_ids, salt)
-        return self.offload.lookup(hashes, token_ids, start, (len(token_ids) - 1) // self.kv.block_size)
+        found = self.offload.lookup(hashes, token_ids, start, self._max_prefix_blocks(token_ids))
+        if not found and start < self._max_prefix_blocks(token_ids):
+            self.offload.count_lookup([], missed=True)
+        return found
 
-    def _load(self, pending: PendingLoad, found: list) -> None:
+    def _max_prefix_blocks(self, token_ids: list[int]) -> int:
+        return (len(token_ids) - 1) // self.kv.block_size
+
+    def _load(self, pending: PendingLoad, found: list, token_ids: list[int]) -> None:
         self._num_loads += 1
         key = f"{pending.request_id}\x00load{self._num_loads}"
         table = self.kv.block_table(pending.request_id)
-        self.offload.start_load(key, found, table[pending.start:pending.start + len(found)])
+        missed = pending.start + len(found) < self._max_prefix_blocks(token_ids)
+        self.offload.start_load(key, found, table[pending.start:pending.start + len(found)], missed)
         self.loading[key] = pending
         self._load_keys[pending.request_id] = key
 

@@ -61,25 +61,35 @@ class KVOffloader:
 
     # ---- lookups and loads ----------------------------------------------
     def lookup(self, hashes: list[int], token_ids: list[int], start: int, end: int) -> list[tuple[object, int]]:
-        """(tier, hash) of blocks start, start+1, ... (before `end`) found in a lower tier, up to the first miss."""
+        """(tier, hash) of blocks start, start+1, ... (before `end`) found in a lower tier, up to the first miss.
+        Counted in the tiers' hits and misses only when the load starts (`start_load`) or nothing is found
+        (`count_lookup`), so a request retried while blocks are short is not counted again."""
         found, bs = [], self.kv.block_size
         for i in range(start, end):
             tokens = token_ids[i * bs:(i + 1) * bs]
+            tier = next((t for t in self.tiers if t.index.get(hashes[i], tokens) is not None), None)
+            if tier is None:
+                break
+            found.append((tier, hashes[i]))
+        return found
+
+    def count_lookup(self, found: list[tuple[object, int]], missed: bool) -> None:
+        """Each found block was queried in the tiers above its own and hit there; a miss queried them all."""
+        for tier, _ in found:
+            for upper in self.tiers[:self.tiers.index(tier) + 1]:
+                self.stats[upper.medium].queries += 1
+            self.stats[tier.medium].hits += 1
+        if missed:
             for tier in self.tiers:
                 self.stats[tier.medium].queries += 1
-                if tier.index.get(hashes[i], tokens) is not None:
-                    self.stats[tier.medium].hits += 1
-                    found.append((tier, hashes[i]))
-                    break
-            else:
-                return found
-        return found
 
     def can_load(self, num_blocks: int) -> bool:
         return not self.num_loading_blocks or self.num_loading_blocks + num_blocks <= self.config.max_loading_blocks
 
-    def start_load(self, key: str, found: list[tuple[object, int]], block_ids: list[int]) -> None:
-        """Copy the `found` blocks into device blocks `block_ids` (reported by `poll` under `key`)."""
+    def start_load(self, key: str, found: list[tuple[object, int]], block_ids: list[int], missed: bool) -> None:
+        """Copy the `found` blocks into device blocks `block_ids` (reported by `poll` under `key`); `missed`: the
+        lookup stopped at a block no tier holds."""
+        self.count_lookup(found, missed)
         sources = [(tier, h, tier.index.pin(h).slot) for tier, h in found]
         self.num_loading_blocks += len(sources)
         self._submit(LoadJob(key, sources, list(block_ids), self.io.ready_event()), urgent=True)
