@@ -5,6 +5,7 @@ import argparse
 import math
 from pathlib import Path
 
+from loadtest.arrivals import parse_schedule
 from loadtest.config import DatasetConfig, LoadTestConfig, parse_slos
 
 
@@ -16,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser, own_cluster: bool = False) -> None
     p.add_argument("--dataset", default="random", help="random | prefix | sharegpt:FILE")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    p.add_argument("--rate-schedule", default=None, metavar="R:S,R:S,...",
+                   help="a rate that steps: R requests/s for S seconds, phase after phase (instead of "
+                        "--request-rate and --num-prompts); the JSON gets a summary per phase")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--num-warmups", type=int, default=0)
@@ -54,6 +58,7 @@ def config_from_args(args: argparse.Namespace, url: str | None = None) -> LoadTe
         sharegpt_output_len=args.sharegpt_output_len, model=args.model)
     return LoadTestConfig(url=url or args.url, dataset=dataset, num_prompts=args.num_prompts,
                           request_rate=args.request_rate, burstiness=args.burstiness,
+                          rate_schedule=parse_schedule(args.rate_schedule) if args.rate_schedule else (),
                           max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
                           duration_s=args.duration_s, request_timeout_s=args.request_timeout_s,
                           slos=parse_slos(args.goodput), seed=args.seed, progress=not args.no_progress,

@@ -84,6 +84,8 @@ class LoadTestConfig:
     """Requests measured (warm-up requests come on top)."""
     request_rate: float = math.inf
     """Mean arrivals per second; inf sends every request at once."""
+    rate_schedule: tuple[tuple[float, float], ...] = ()
+    """(rate, seconds) phases back to back instead of one rate (num_prompts is then what arrives)."""
     burstiness: float = 1.0
     """Gamma shape of the inter-arrival times: 1 is Poisson, < 1 burstier, > 1 more regular."""
     max_concurrency: int | None = None
@@ -112,6 +114,9 @@ class LoadTestConfig:
             path = getattr(self, name)
             if path is not None and not os.access(path, os.R_OK):
                 raise ValueError(f"{name}: cannot read {path!r}")
+        if self.rate_schedule:
+            from loadtest.arrivals import schedule_offsets
+            self.num_prompts = len(schedule_offsets(self.rate_schedule, self.burstiness, self.seed))
         if self.num_prompts < 1:
             raise ValueError("num_prompts must be >= 1")
         if not self.request_rate > 0:

@@ -5,11 +5,11 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from loadtest.arrivals import arrival_offsets
+from loadtest.arrivals import arrival_offsets, schedule_offsets
 from loadtest.client import make_request, send
 from loadtest.config import LoadTestConfig
 from loadtest.datasets import Prompt, load_prompts
-from loadtest.stats import RequestRecord, summarize
+from loadtest.stats import RequestRecord, phase_summaries, summarize
 from pdserve.client_channel import api_key, client_channel
 from pdserve.protocol import generate_pb2_grpc
 
@@ -24,7 +24,7 @@ def settings(config: LoadTestConfig) -> dict:
     """The run's settings, as they go into the JSON (vLLM names where they exist)."""
     d = config.dataset
     return {"url": config.url, "dataset_name": d.name, "dataset_path": d.path, "num_prompts": config.num_prompts,
-            "request_rate": config.request_rate,
+            "request_rate": config.request_rate, "rate_schedule": [list(p) for p in config.rate_schedule],
             "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
             "num_warmups": config.num_warmups, "duration_limit_s": config.duration_s, "seed": config.seed}
 
@@ -44,11 +44,16 @@ async def run_async(config: LoadTestConfig, prompts: list[Prompt]) -> RunResult:
         records, duration = await _measure(config, stub, measured)
     summary = settings(config)
     summary.update(summarize(records, duration, config.slos))
+    if config.rate_schedule:
+        summary["phases"] = phase_summaries(records, config.rate_schedule, config.slos)
     return RunResult(summary, records)
 
 
 async def _measure(config: LoadTestConfig, stub, prompts: list[Prompt]) -> tuple[list[RequestRecord], float]:
-    offsets = arrival_offsets(len(prompts), config.request_rate, config.burstiness, config.seed)
+    if config.rate_schedule:
+        offsets = schedule_offsets(config.rate_schedule, config.burstiness, config.seed)[:len(prompts)]
+    else:
+        offsets = arrival_offsets(len(prompts), config.request_rate, config.burstiness, config.seed)
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     bar = _progress_bar(len(prompts), config.progress)
     run_id = f"lt{time.time_ns():x}"
@@ -62,6 +67,7 @@ async def _measure(config: LoadTestConfig, stub, prompts: list[Prompt]) -> tuple
             async with slots:
                 record = await send(stub, i, request, prompt.prompt_len, config.request_timeout_s)
         record.scheduled_time = scheduled
+        record.offset_s = scheduled - start
         bar.update(1)
         return record
 

@@ -25,6 +25,8 @@ class RequestRecord:
     index: int
     prompt_len: int
     scheduled_time: float = 0.0
+    offset_s: float = 0.0
+    """When it was due, in seconds after the run's start."""
     """When the arrival process meant to send it (before waiting for a concurrency slot)."""
     send_time: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
@@ -124,4 +126,15 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
         out.update({"slos_ms": dict(slos_ms), "good_requests": good,
                     "slo_attainment": good / len(records) if records else 0.0,
                     "request_goodput": good / duration})
+    return out
+
+
+def phase_summaries(records: list[RequestRecord], schedule, slos_ms: dict[str, float]) -> list[dict]:
+    """summarize() per phase of a rate schedule, the requests grouped by when they were due to be sent."""
+    out, phase_start = [], 0.0
+    for rate, seconds in schedule:
+        end = phase_start + seconds
+        mine = [r for r in records if phase_start <= r.offset_s < end]
+        out.append({"rate": rate, "start_s": phase_start, "end_s": end, **summarize(mine, seconds, slos_ms)})
+        phase_start = end
     return out

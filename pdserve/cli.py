@@ -6,6 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
+from planner.cli import add_planner_args, planner_config_from_args
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (SmolLM2-135M-Instruct)")
@@ -289,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "start (needs the openssl command; one host only)")
     add_router_args(serve)
     add_worker_args(serve, standalone=False)
+    add_planner_args(serve, in_serve=True)
 
     router = sub.add_parser("router", help="run the router alone (workers started elsewhere)")
     router.add_argument("--prefill-workers", default="", help="comma-separated host:port of prefill workers")
@@ -315,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_chaos_args(sub.add_parser("chaos", help="start a local cluster, run a load test while killing, stopping and "
                                                 "draining workers on a schedule; report completed/migrated/failed "
                                                 "requests and leaks (exit 1 unless none failed and nothing leaked)"))
+
+    add_planner_args(sub.add_parser("planner", help="size the prefill and decode pools from the routers' live "
+                                                    "TTFT/ITL through the Kubernetes API (the chart's planner)"),
+                     in_serve=False)
 
     quantize = sub.add_parser("quantize", help="write a checkpoint's layer weights in fp8 (the format vLLM's fp8 "
                                                 "method loads; pdserve loads it with no flag)")
@@ -356,6 +363,9 @@ def _prepare(args: argparse.Namespace):
     if args.command == "chaos":
         from pdserve.chaos.cli import prepare as prepare_chaos
         return prepare_chaos(args)
+    if args.command == "planner":
+        from planner.cli import prepare as prepare_planner
+        return prepare_planner(args)
     if args.command == "quantize":
         return lambda: _quantize(args)
     if args.command in ("prefill-worker", "decode-worker"):
@@ -372,7 +382,8 @@ def _prepare(args: argparse.Namespace):
                            num_prefill=args.prefill, num_decode=args.decode, ray_address=args.ray_address,
                            log_level=args.log_level.upper(), internal_tls=args.internal_tls,
                            prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
-                           decode_tensor_parallel_size=args.decode_tensor_parallel_size)
+                           decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+                           planner=planner_config_from_args(args) if args.planner else None)
     return lambda: run_serve(config)
 
 if __name__ == "__main__":

@@ -28,45 +28,15 @@ from pdserve.cluster_auth.dev_pki import make_cluster_pki
 from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
 from pdserve.cluster_auth.tls import InternalTLSConfig
 from pdserve.cluster_placement import NodeSlot, actor_options, free_port, free_ports, pick_nodes
-from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, supervise
+from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, least_loaded_node, supervise
+from pdserve.worker_actor import WORKER_START_TIMEOUT_S, WorkerProcess
+from planner.config import PlannerConfig
 from router.config import RouterConfig
 from router.server import RouterServer, WorkersUnreachable
 from worker_runtime.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 ACTOR_MAX_RESTARTS = 3
-WORKER_START_TIMEOUT_S = 900.0  # first start may convert the model and build the CPU kernel
-
-
-class WorkerProcess:
-    """Body of a worker actor: a WorkerServer on an asyncio loop of its own thread."""
-
-    def __init__(self, config: WorkerConfig, log_level: str = "WARNING") -> None:
-        from worker_runtime.server import WorkerServer
-
-        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self._server = WorkerServer(config)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._run, name="worker-server", daemon=True).start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._server.start())
-        except BaseException as exc:  # noqa: BLE001 - reported by address()
-            self._error = exc
-        self._ready.set()
-        self._loop.run_forever()
-
-    def address(self) -> str:
-        self._ready.wait(WORKER_START_TIMEOUT_S)
-        if self._error is not None:
-            raise RuntimeError(f"worker failed to start: {self._error!r}")
-        return self._server.address
-
-
 @dataclasses.dataclass
 class ClusterConfig:
     router: RouterConfig
@@ -84,6 +54,8 @@ class ClusterConfig:
     """Ranks of each prefill worker (None: the worker template's --tensor-parallel-size)."""
     decode_tensor_parallel_size: int | None = None
     """Ranks of each decode worker (None: the worker template's); may differ from prefill's."""
+    planner: PlannerConfig | None = None
+    """`--planner`: resize the pools from live TTFT/ITL (planner/), starting from num_prefill/num_decode."""
 
     def tensor_parallel_size(self, role: str) -> int:
         size = getattr(self, f"{role}_tensor_parallel_size")
@@ -101,6 +73,12 @@ class ClusterConfig:
             raise ValueError("--prefill must be >= 0 (0: decode workers prefill themselves)")
         if self.num_decode < 1:
             raise ValueError("--decode must be >= 1")
+        if self.planner is not None:
+            for role in ("prefill", "decode"):
+                count, bounds = getattr(self, f"num_{role}"), self.planner.bounds(role)
+                if not bounds.min_workers <= count <= bounds.max_workers:
+                    raise ValueError(f"--{role} {count} is outside the planner's --min-{role} "
+                                     f"{bounds.min_workers} .. --max-{role} {bounds.max_workers}")
 
 
 class RayCluster:
@@ -123,6 +101,8 @@ class RayCluster:
         self._actor_cls = None
         self._probes: dict = {}
         """actor -> its outstanding liveness probe (an `address()` call)."""
+        self.members: list[tuple[str, object, str]] = []
+        """(role, actor, address) of the workers started with the cluster."""
 
     @property
     def joined(self) -> bool:
@@ -170,6 +150,7 @@ class RayCluster:
         for i, (role, ref) in enumerate(pending):
             address = ray.get(ref, timeout=WORKER_START_TIMEOUT_S)
             self.addresses[role].append(address)
+            self.members.append((role, self.actors[i], address))
             if joined:
                 self.slots[i].address = address
 
@@ -234,6 +215,20 @@ class RayCluster:
         except Exception:  # noqa: BLE001 - the worker reported a start error: Ray restarts it if it can
             return False
         return False
+
+    def spawn(self, role: str):
+        """One more worker actor of `role` (the planner's scale-up): on this machine, or on the eligible
+        node of a joined cluster running the fewest workers of that role. Returns (actor, its slot or None)."""
+        if not self.joined:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("serve is stopping")
+                actor = self._spawn(role, None)
+                self.actors.append(actor)
+            return actor, None
+        node = least_loaded_node(self.nodes(), role, self.slots, self.use_gpu, role in self.declared_roles)
+        actor, _ = self.place(role, node)
+        return actor, WorkerSlot(role, node["NodeID"], "", actor)
 
     def place(self, role: str, node: dict):
         [slot] = probe_node_slots([node], timeout_s=60)
@@ -355,11 +350,18 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
                                                              asyncio.get_running_loop(), supervising),
                                   name="node-supervisor", daemon=True)
         thread.start()
+    planner = None
+    if cluster is not None and config.planner is not None:
+        from planner.serve_planner import ServePlanner
+        planner = ServePlanner(config.planner, cluster, router, config.worker.drain_timeout_s)
+        planner.start()
     try:
         while not stop.is_set():
             await asyncio.sleep(0.1)
     finally:
         supervising.clear()
+        if planner is not None:
+            await planner.stop()
         if thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, thread.join, 10.0)
     await router.drain()

@@ -106,13 +106,23 @@ def replacement_node(slot: WorkerSlot, slots: list[WorkerSlot], nodes: list[dict
                      declared_only: bool) -> dict | None:
     """Where to re-place a LOST slot: the eligible node running the fewest workers of its role (the
     first listed on a tie), or None while there is none."""
-    candidates = eligible_nodes(nodes, slot.role, use_gpu, declared_only)
-    if not candidates:
+    others = [other for other in slots if other is not slot]
+    try:
+        return least_loaded_node(nodes, slot.role, others, use_gpu, declared_only)
+    except RuntimeError:
         return None
+
+
+def least_loaded_node(nodes: list[dict], role: str, slots: list[WorkerSlot], use_gpu: bool,
+                      declared_only: bool) -> dict:
+    """The eligible node running the fewest (not lost) workers of `role` among `slots`, the first listed on
+    a tie; RuntimeError when no node is eligible."""
+    candidates = eligible_nodes(nodes, role, use_gpu, declared_only)
+    if not candidates:
+        raise RuntimeError(f"no live Ray node can take a {role} worker")
     load = {n["NodeID"]: 0 for n in candidates}
     for other in slots:
-        if other is not slot and other.role == slot.role and other.state is not SlotState.LOST \
-                and other.node_id in load:
+        if other.role == role and other.state is not SlotState.LOST and other.node_id in load:
             load[other.node_id] += 1
     return min(candidates, key=lambda n: load[n["NodeID"]])
 

@@ -38,13 +38,17 @@ class WorkerStatsCollector:
         }
         healthy = GaugeMetricFamily("pdserve:worker_healthy", "1 while the worker is in rotation",
                                     labels=["worker", "role"])
+        saturated = GaugeMetricFamily("pdserve:worker_saturated", "1 while the worker is at its request limit "
+                                      "(new requests wait for another)", labels=["worker", "role"])
         for w in self.pool.workers:
             healthy.add_metric([w.address, w.role], 1.0 if w.healthy else 0.0)
+            saturated.add_metric([w.address, w.role], 0.0 if w.has_room else 1.0)
             if w.stats is not None:
                 for name, family in gauges.items():
                     family.add_metric([w.address, w.role], float(getattr(w.stats, name)))
         yield from gauges.values()
         yield healthy
+        yield saturated
 
 
 class RouterMetrics:

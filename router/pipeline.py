@@ -245,9 +245,11 @@ class GenerationPipeline:
             worker.pending_prompts[sample_id] = hashes
             try:
                 first = await worker.stub.Prefill(request, timeout=_remaining(deadline))
+                computed = len(prompt) - first.cached_tokens
                 if idle:  # nothing ahead of it: the call's duration is this prompt's prefill
-                    worker.speed.observe(len(prompt) - first.cached_tokens,
-                                         asyncio.get_running_loop().time() - started)
+                    worker.speed.observe(computed, asyncio.get_running_loop().time() - started)
+                if self.selector.metrics is not None:
+                    self.selector.metrics.prefill_tokens.inc(max(0, computed))
                 return first
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:

@@ -26,6 +26,9 @@ class RoutingMetrics:
                                   "Of those, blocks the chosen worker held (KV index) or was computing for another "
                                   "request",
                                   registry=registry)
+        self.prefill_tokens = Counter("pdserve:router_prefill_tokens",
+                                      "Prompt tokens prefill workers computed (not found in their prefix cache)",
+                                      registry=registry)
         self.decisions = Counter("pdserve:routing_decisions", "Workers chosen, by role", ["role", "worker"],
                                  registry=registry)
         self.skipped_prefill = Counter("pdserve:remote_prefill_skipped",

@@ -51,6 +51,8 @@ class WorkerClient:
     """Consecutive polls that timed out."""
     answered_at: float = float("-inf")
     """Event-loop time of its last answered poll (a silent stream on a worker that answers is slow, not hung)."""
+    retiring: bool = False
+    """Being removed (a planner scale-down): out of rotation for good, still polled while it drains."""
 
     @property
     def occupancy(self) -> int:
@@ -129,6 +131,16 @@ class WorkerPool:
             await worker.channel.close()
         self.changed()
 
+    def retire(self, address: str) -> WorkerClient | None:
+        """Take a worker out of rotation for good, before it drains: no new request is routed to it,
+        the ones it holds finish, and its polls go on (its stats show when it is empty)."""
+        worker = self.get(address)
+        if worker is not None:
+            worker.retiring = True
+            self.mark_failed(worker, "retiring (scale-down)")
+            self.changed()
+        return worker
+
     def changed(self) -> None:
         for callback in self.on_change:
             callback()
@@ -187,8 +199,8 @@ class WorkerPool:
         if stats.role != worker.role:
             self.mark_failed(worker, f"is a {stats.role} worker, configured as {worker.role}")
             return
-        if stats.draining:
-            self.mark_failed(worker, "draining")
+        if stats.draining or worker.retiring:
+            self.mark_failed(worker, "draining" if stats.draining else "retiring (scale-down)")
             worker.stats = stats
             worker.in_flight_at_poll = worker.in_flight
             return
