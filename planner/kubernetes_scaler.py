@@ -10,7 +10,8 @@ list+patch; raycluster mode: ray.io rayclusters get+patch, pods list.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kubernetes import client, config
@@ -66,57 +67,61 @@ class KubernetesScaler:
         else:
             self._scale_deployment(name, replicas, idle_first)
 
+    def _call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`method` without the client's typed models (the API's JSON as dicts: no model validation to trip
+        over); API and connection errors become ScaleError naming `what`."""
+        with api_call(what, self.ns):
+            response = method(*args, _preload_content=False, **kwargs)
+            return json.loads(response.data or b"null")
+
     # -- Deployments --------------------------------------------------------------------------------
 
+    def _deployment(self, name: str) -> dict[str, Any]:
+        return self._call(f"GET deployments/{name}", self.apps.read_namespaced_deployment, name, self.ns) or {}
+
+    def _scale_replicas(self, name: str) -> int:
+        scale = self._call(f"GET deployments/{name}/scale", self.apps.read_namespaced_deployment_scale, name, self.ns)
+        return int(((scale or {}).get("spec") or {}).get("replicas") or 0)
+
     def _deployment_replicas(self, name: str) -> PoolReplicas:
-        with api_call(f"GET deployments/{name}/scale", self.ns):
-            scale = self.apps.read_namespaced_deployment_scale(name, self.ns)
-        with api_call(f"GET deployments/{name}", self.ns):
-            deployment = self.apps.read_namespaced_deployment(name, self.ns)
-        wanted = scale.spec.replicas if scale.spec is not None else None
-        ready = deployment.status.ready_replicas if deployment.status is not None else None
-        return PoolReplicas(wanted=wanted or 0, ready=ready or 0)
+        wanted = self._scale_replicas(name)
+        ready = (self._deployment(name).get("status") or {}).get("readyReplicas") or 0
+        return PoolReplicas(wanted=wanted, ready=int(ready))
 
     def _scale_deployment(self, name: str, replicas: int, idle_first: Sequence[str]) -> None:
         if idle_first:
-            with api_call(f"GET deployments/{name}/scale", self.ns):
-                scale = self.apps.read_namespaced_deployment_scale(name, self.ns)
-            current = (scale.spec.replicas if scale.spec is not None else None) or 0
+            current = self._scale_replicas(name)
             if replicas < current:
                 self._mark_idlest(name, idle_first, current - replicas)
-        with api_call(f"PATCH deployments/{name}/scale", self.ns):
-            self.apps.patch_namespaced_deployment_scale(name, self.ns, {"spec": {"replicas": replicas}},
-                                                        _content_type=MERGE_PATCH)
+        self._call(f"PATCH deployments/{name}/scale", self.apps.patch_namespaced_deployment_scale, name, self.ns,
+                   {"spec": {"replicas": replicas}}, _content_type=MERGE_PATCH)
 
     def _mark_idlest(self, name: str, idle_first: Sequence[str], count: int) -> None:
         """Give the `count` idlest pods of Deployment `name` a negative deletion cost, idlest lowest."""
-        with api_call(f"GET deployments/{name}", self.ns):
-            deployment = self.apps.read_namespaced_deployment(name, self.ns)
-        selector = deployment.spec.selector if deployment.spec is not None else None
-        labels = (selector.match_labels if selector is not None else None) or {}
-        if not labels:
+        selector = ((self._deployment(name).get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+        if not selector:
             return  # no equality selector to list the pods by: Kubernetes picks
-        pods = self._list_pods(",".join(f"{k}={v}" for k, v in sorted(labels.items())))
+        pods = self._list_pods(",".join(f"{k}={v}" for k, v in sorted(selector.items())))
         for i, pod in enumerate(idlest_pods(pods, idle_first, count)):
             body = {"metadata": {"annotations": {DELETION_COST: str(FIRST_COST + i)}}}
-            with api_call(f"PATCH pods/{pod}", self.ns):
-                try:
-                    self.core.patch_namespaced_pod(pod, self.ns, body, _content_type=MERGE_PATCH)
-                except client.ApiException as exc:
-                    if exc.status != 404:  # gone already: nothing to mark
-                        raise
+            try:
+                self._call(f"PATCH pods/{pod}", self.core.patch_namespaced_pod, pod, self.ns, body,
+                           _content_type=MERGE_PATCH)
+            except ScaleError as exc:
+                if getattr(exc.__cause__, "status", None) != 404:  # gone already: nothing to mark
+                    raise
 
     def _list_pods(self, selector: str) -> list[dict[str, Any]]:
-        with api_call(f"GET pods?labelSelector={selector}", self.ns):
-            pods = self.core.list_namespaced_pod(self.ns, label_selector=selector)
-        return self.api_client.sanitize_for_serialization(pods).get("items") or []
+        pods = self._call(f"GET pods?labelSelector={selector}", self.core.list_namespaced_pod, self.ns,
+                          label_selector=selector)
+        return (pods or {}).get("items") or []
 
     # -- RayCluster ---------------------------------------------------------------------------------
 
     def _get_raycluster(self) -> dict[str, Any]:
         name = self.target.raycluster
-        with api_call(f"GET {RAY_PLURAL}/{name}", self.ns):
-            return self.custom.get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, self.ns, RAY_PLURAL, name)
+        return self._call(f"GET {RAY_PLURAL}/{name}", self.custom.get_namespaced_custom_object, RAY_GROUP,
+                          RAY_VERSION, self.ns, RAY_PLURAL, name) or {}
 
     def _ray_group(self, cluster: dict[str, Any], group: str) -> tuple[int, dict[str, Any]]:
         groups = (cluster.get("spec") or {}).get("workerGroupSpecs") or []
@@ -161,10 +166,10 @@ class KubernetesScaler:
                 else:
                     ops.append({"op": "add", "path": f"{path}/scaleStrategy", "value": {"workersToDelete": names}})
         name = self.target.raycluster
-        with api_call(f"PATCH {RAY_PLURAL}/{name}", self.ns):
-            # A list body alone still goes out as a merge patch: name the JSON Patch type.
-            self.custom.patch_namespaced_custom_object(RAY_GROUP, RAY_VERSION, self.ns, RAY_PLURAL, name, ops,
-                                                       _content_type=JSON_PATCH)
+        # kubernetes' client sends a custom object patch as a merge patch, list body or not (which would
+        # replace the whole workerGroupSpecs list): name the JSON Patch type.
+        self._call(f"PATCH {RAY_PLURAL}/{name}", self.custom.patch_namespaced_custom_object, RAY_GROUP, RAY_VERSION,
+                   self.ns, RAY_PLURAL, name, ops, _content_type=JSON_PATCH)
 
 
 def _group_replicas(spec: dict[str, Any]) -> int:
