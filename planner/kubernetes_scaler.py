@@ -72,7 +72,10 @@ class KubernetesScaler:
         over); API and connection errors become ScaleError naming `what`."""
         with api_call(what, self.ns):
             response = method(*args, _preload_content=False, **kwargs)
+        try:
             return json.loads(response.data or b"null")
+        except ValueError as exc:
+            raise ScaleError(f"{what} in {self.ns}: the API server's answer is not JSON: {exc}") from exc
 
     # -- Deployments --------------------------------------------------------------------------------
 
