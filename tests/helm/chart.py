@@ -22,6 +22,8 @@ CASES = {
     "security": ["security-values.yaml"],
     "internal-tls": ["internal-tls-values.yaml"],
     "kv-tiers": ["kv-tiers-values.yaml"],
+    "planner": ["planner-values.yaml"],
+    "raycluster-planner": ["raycluster-planner-values.yaml"],
 }
 GENERATED_PASSWORD = re.compile(r"^(  (?:redis-password|cluster-secret): ).+$", re.MULTILINE)
 

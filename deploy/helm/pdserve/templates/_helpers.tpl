@@ -377,6 +377,11 @@ initContainers:
 {{/* Pod-level fields every pdserve pod shares. */}}
 {{- define "pdserve.podCommon" -}}
 serviceAccountName: {{ include "pdserve.serviceAccountName" . }}
+{{- include "pdserve.podPullAndSecurity" . }}
+{{- end -}}
+
+{{/* Image pull secrets and pod securityContext (pods with a service account of their own). */}}
+{{- define "pdserve.podPullAndSecurity" -}}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets: {{- toYaml . | nindent 2 }}
 {{- end }}
