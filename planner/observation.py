@@ -1,8 +1,10 @@
 """What happened over the last window, per pool, from two router snapshots (no I/O).
 
 The prefill pool is judged by TTFT and loaded by the prompt tokens it computes; the decode pool
-by ITL and the tokens it generates. Requests waiting at the router for a worker with room are
-load too: they count against the pool whose every worker is saturated.
+by ITL and the tokens it generates. What a pool served (its throughput, which the capacity is
+learnt from) differs from what it is asked (the demand it must be sized for) while it is
+overloaded or draining a backlog: the demand is the arrival rate times the tokens a request
+brings (mean prompt tokens not found in a prefix cache; mean tokens generated).
 """
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ class PoolObservation:
     served_tokens_per_s: float
     """Prompt tokens computed by prefill workers, or tokens generated, per second."""
     offered_tokens_per_s: float
-    """served, plus the backlog waiting at the router when this pool is what it waits for."""
+    """The demand: arrivals/s times the tokens each brings to this pool (served, without finished requests),
+    at the higher of the window's and the last interval's arrival rate (what a scale-up answers)."""
+    window_tokens_per_s: float
+    """The same at the window's arrival rate only (steadier: what a scale-down is judged on)."""
     workers: float
     """Workers in rotation, averaged over the window."""
     requests: float
@@ -53,8 +58,15 @@ class Observation:
     mean_output_tokens: float
 
 
+def _delta(first: RouterSnapshot, last: RouterSnapshot, key: str) -> float:
+    now, then = last.counters.get(key, 0.0), first.counters.get(key, 0.0)
+    return now - then if now >= then else now  # a restarted router counts from 0
+
+
 def observe(history: Sequence[RouterSnapshot]) -> Observation | None:
-    """The window from the first snapshot to the last (None with fewer than two)."""
+    """The window from the first snapshot to the last (None with fewer than two). Latencies, the
+    served rates and the mean lengths are the window's; the arrival rate is the higher of the
+    window's and the last interval's (between the last two snapshots), so a rise counts at once."""
     if len(history) < 2:
         return None
     first, last = history[0], history[-1]
@@ -63,29 +75,36 @@ def observe(history: Sequence[RouterSnapshot]) -> Observation | None:
         return None
 
     def delta(key: str) -> float:
-        now, then = last.counters.get(key, 0.0), first.counters.get(key, 0.0)
-        return now - then if now >= then else now  # a restarted router counts from 0
+        return _delta(first, last, key)
 
     requests = delta("requests")
-    prompt, generated = delta("prompt_tokens"), delta("generation_tokens")
+    recent = last.time - history[-2].time
+    window_rate = delta("arrivals") / span
+    arrival_rate = max(window_rate, _delta(history[-2], last, "arrivals") / recent if recent > 0 else 0.0)
+    prompt, generated, prefilled = delta("prompt_tokens"), delta("generation_tokens"), delta("prefill_tokens")
     mean_in = prompt / requests if requests else 0.0
+    mean_out = generated / requests if requests else 0.0
+    # The share of prompt tokens prefill computes, from the routing decisions (counted on arrival at
+    # prefill, so a backlog does not skew it as a ratio of tokens served to tokens finished would).
+    queried = delta("prefix_query_blocks")
+    uncached = 1.0 - min(1.0, delta("prefix_hit_blocks") / queried) if queried else 1.0
     latencies = {"prefill": last.ttft.since(first.ttft), "decode": last.itl.since(first.itl)}
-    served = {"prefill": delta("prefill_tokens") / span, "decode": generated / span}
-    backlog_tokens = {"prefill": last.queue_length * mean_in,
-                      "decode": last.queue_length * (generated / requests if requests else 0.0)}
+    served = {"prefill": prefilled / span, "decode": generated / span}
+    tokens = {"prefill": mean_in * uncached, "decode": mean_out}
     pools = {}
     for role in ROLES:
         workers = [w for w in last.pool(role) if w.healthy > 0]
         saturated = bool(workers) and all(w.saturated > 0 for w in workers)
         total = sum(w.kv_blocks_total for w in workers)
-        offered = served[role] + (backlog_tokens[role] / span if saturated else 0.0)
+        known = requests and window_rate
         pools[role] = PoolObservation(
             role=role, latency_s=latencies[role].quantile(QUANTILE), served_tokens_per_s=served[role],
-            offered_tokens_per_s=offered,
+            offered_tokens_per_s=arrival_rate * tokens[role] if known else served[role],
+            window_tokens_per_s=window_rate * tokens[role] if known else served[role],
             workers=sum(sum(w.healthy > 0 for w in s.pool(role)) for s in history) / len(history),
             requests=requests, kv_usage=sum(w.kv_blocks_used for w in workers) / total if total else 0.0,
             saturated=saturated, idle_first=[w.address for w in sorted(workers, key=lambda w: w.num_requests)])
     return Observation(time=last.time, window_s=span, pools=pools, queue_length=last.queue_length,
                        queue_time_p90_s=last.queue_time.since(first.queue_time).quantile(QUANTILE),
-                       request_rate=requests / span, failures=delta("failures"), mean_input_tokens=mean_in,
-                       mean_output_tokens=generated / requests if requests else 0.0)
+                       request_rate=arrival_rate, failures=delta("failures"), mean_input_tokens=mean_in,
+                       mean_output_tokens=mean_out)

@@ -5,9 +5,9 @@ capacity learnt online (planner/capacity.py). Around that:
 - up at once (after `scale_up_cooldown_s` since the pool last changed): the load needs more
   workers, the SLO is missed (one more while the estimate catches up), or requests wait at the
   router for a pool whose workers are all saturated (decode: or its KV is nearly full);
-- down one worker at a time, only after `scale_down_window_s` of windows in which one worker
-  fewer would have carried the load at `scale_down_utilization` (< target: hysteresis), with the
-  SLO met and nothing waiting, and `scale_down_cooldown_s` after the last change;
+- down only after `scale_down_window_s` of windows in which fewer workers would have carried the
+  load at `scale_down_utilization` (< target: hysteresis), with the SLO met and nothing waiting,
+  and `scale_down_cooldown_s` after the last change; to the size the window's peak load needs;
 - never outside [min, max]; an SLO below the pool's idle latency adds nothing (it cannot help).
 """
 from __future__ import annotations
@@ -46,7 +46,9 @@ class PoolState:
     capacity: CapacityEstimate
     last_change: float = float("-inf")
     calm_since: float | None = None
-    """Since when every window has allowed one worker fewer (None: the last one did not)."""
+    """Since when every window has allowed fewer workers (None: the last one did not)."""
+    calm_peak: float = 0.0
+    """The highest load since calm_since."""
     needed: int | None = None
     """Workers the last window's load needed at the learnt capacity (None: capacity unknown)."""
     load: float = 0.0
@@ -58,12 +60,9 @@ class Planner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self.pools = {role: PoolState(CapacityEstimate(config.slo_s(role))) for role in ROLES}
-        self._last_time: float | None = None
 
     def decide(self, obs: Observation, wanted: dict[str, int]) -> list[Decision]:
         """The changes to make after window `obs`, given each pool's current size."""
-        elapsed = obs.window_s if self._last_time is None else max(0.0, obs.time - self._last_time)
-        self._last_time = obs.time
         decode_full = obs.queue_length > 0 and obs.pools["decode"].saturated
         decisions = []
         for role in ROLES:
@@ -72,7 +71,7 @@ class Planner:
             if role == "prefill" and latency is not None and decode_full and obs.queue_time_p90_s:
                 latency = max(0.0, latency - obs.queue_time_p90_s)  # waiting for decode room is not prefill's
             if latency is not None and pool.requests >= self.config.min_requests and pool.workers > 0:
-                state.capacity.observe(pool.per_worker_tokens_per_s, latency, elapsed)
+                state.capacity.observe(pool.per_worker_tokens_per_s, latency, obs.time)
             state.load, state.latency_s = pool.offered_tokens_per_s, latency
             decision = self._decide_pool(role, state, obs, wanted[role])
             if decision is not None:
@@ -98,15 +97,21 @@ class Planner:
                 return None
             desired, reason, detail = up
             return Decision(role, current, min(max(desired, current + 1), bounds.max_workers), reason, detail)
-        calm = self._calm(role, state, obs, current)
-        if calm is None:
+        if not self._calm(role, state, obs, current):
             state.calm_since = None
             return None
-        state.calm_since = obs.time if state.calm_since is None else state.calm_since
+        if state.calm_since is None:
+            state.calm_since, state.calm_peak = obs.time, 0.0
+        state.calm_peak = max(state.calm_peak, pool.window_tokens_per_s)
         if current <= bounds.min_workers or obs.time - state.calm_since < cfg.scale_down_window_s \
                 or since_change < cfg.scale_down_cooldown_s:
             return None
-        return Decision(role, current, current - 1, "load_below_capacity", calm)
+        capacity = state.capacity.safe_tokens_per_s
+        fewer = math.ceil(state.calm_peak / (capacity * cfg.scale_down_utilization)) if capacity else 0
+        desired = min(current - 1, max(bounds.min_workers, fewer))
+        return Decision(role, current, desired, "load_below_capacity",
+                        f"peak load {state.calm_peak:.0f} tok/s over {obs.time - state.calm_since:.0f} s fits "
+                        f"{desired} workers at {cfg.scale_down_utilization:.0%} of {capacity or 0:.0f} tok/s")
 
     def _up(self, role: str, state: PoolState, obs: Observation, current: int) -> tuple[int, str, str] | None:
         cfg, pool = self.config, obs.pools[role]
@@ -120,8 +125,8 @@ class Planner:
             return current + 1, SLO_REASON[role], f"p90 {latency * 1e3:.0f} ms > SLO {slo * 1e3:.0f} ms"
         if missed and not state.warned_infeasible:
             logger.warning("planner: %s p90 %.0f ms misses its SLO of %.0f ms, but the pool's idle latency is "
-                           "already %.0f ms: more workers cannot meet it (adding none)", role, latency * 1e3,
-                           slo * 1e3, state.capacity.base_latency_s * 1e3)
+                           "%.0f ms (fitted): more workers cannot meet it (adding none)", role, latency * 1e3,
+                           slo * 1e3, (state.capacity.base_latency_s or 0.0) * 1e3)
         state.warned_infeasible = missed and not state.capacity.feasible
         if obs.queue_length > 0 and pool.saturated:
             if role == "decode" and pool.kv_usage >= cfg.kv_usage_high:
@@ -130,15 +135,13 @@ class Planner:
             return current + 1, "queue_backlog", f"{obs.queue_length:.0f} requests wait for a {role} worker"
         return None
 
-    def _calm(self, role: str, state: PoolState, obs: Observation, current: int) -> str | None:
-        """Why one worker fewer would do, or None."""
+    def _calm(self, role: str, state: PoolState, obs: Observation, current: int) -> bool:
+        """Whether this window allows fewer workers: the SLO met, nothing waiting, and one worker fewer
+        carrying the load at scale_down_utilization (or no load at all)."""
         cfg, pool = self.config, obs.pools[role]
         if obs.queue_length > 0 or (state.latency_s is not None and state.latency_s > cfg.slo_s(role)):
-            return None
-        load, capacity = pool.offered_tokens_per_s, state.capacity.tokens_per_s
+            return False
+        load, capacity = pool.window_tokens_per_s, state.capacity.safe_tokens_per_s
         if load <= 0:
-            return "no load"
-        if capacity is None or load > (current - 1) * capacity * cfg.scale_down_utilization:
-            return None
-        return (f"load {load:.0f} tok/s fits {current - 1} workers at {cfg.scale_down_utilization:.0%} of "
-                f"{capacity:.0f} tok/s")
+            return True
+        return capacity is not None and load <= (current - 1) * capacity * cfg.scale_down_utilization

@@ -16,10 +16,13 @@ ITL = "pdserve:inter_token_latency_seconds"
 QUEUE_TIME = "pdserve:request_queue_time_seconds"
 COUNTERS = {
     "requests": "pdserve:request_success",
+    "arrivals": "pdserve:request_arrivals",
     "failures": "pdserve:request_failure",
     "prompt_tokens": "pdserve:prompt_tokens",
     "generation_tokens": "pdserve:generation_tokens",
     "prefill_tokens": "pdserve:router_prefill_tokens",
+    "prefix_query_blocks": "pdserve:router_prefix_query_blocks",
+    "prefix_hit_blocks": "pdserve:router_prefix_hit_blocks",
 }
 WORKER_GAUGES = {
     "healthy": "pdserve:worker_healthy",

@@ -67,6 +67,8 @@ class RouterMetrics:
                                  "or by an Abort call", registry=self.registry)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Time from arrival to the last token",
                              registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.arrivals = Counter("pdserve:request_arrivals", "Samples accepted for generation, counted on arrival "
+                                "(the demand, where request_success is what was served)", registry=self.registry)
         self.success = Counter("pdserve:request_success", "Finished samples by finish reason",
                                ["finished_reason"], registry=self.registry)
         self.failures = Counter("pdserve:request_failure", "Requests ended by an error, by gRPC status code",

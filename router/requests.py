@@ -85,6 +85,7 @@ class RequestRunner:
         if key in self._running:
             raise self._failed(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: {prepared.request_id!r} is already running", field="request_id")
+        self.metrics.arrivals.inc(prepared.params.n)
         items: asyncio.Queue = asyncio.Queue()
         producer = asyncio.create_task(self._produce(prepared, timeout_s, items, routes))
         self._running[key] = producer
