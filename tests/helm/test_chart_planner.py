@@ -6,7 +6,7 @@ import kubernetes_validate
 import pytest
 
 from planner.kubernetes_scaler import KubernetesScaler, KubernetesTargetConfig
-from tests.helm.chart import KUBE_VERSION, assert_schema_refuses, by_kind, objects, pod_specs, template
+from tests.helm.chart import KUBE_VERSION, assert_schema_refuses, by_kind, objects, pod_specs, template, values_args
 from tests.planner.k8s_fake import NS, FakeKube, pod, rbac_rule
 
 FLAGS_WITH_VALUES = {"--slo-ttft-ms": "1500", "--slo-itl-ms": "80", "--interval-s": "10", "--min-prefill": "1",
@@ -147,6 +147,35 @@ def test_network_policies_let_the_planner_read_the_routers_metrics(case, rendere
     assert {"ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]} in own["egress"]
     for policy in by_kind(objs, "NetworkPolicy"):
         kubernetes_validate.validate(policy, KUBE_VERSION, strict=True)
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions with In) matches these labels."""
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and all(
+        e["operator"] == "In" and labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
+
+
+@pytest.mark.parametrize("case", ["planner", "raycluster-planner"])
+def test_the_pod_monitor_scrapes_the_planner_metrics_port(case):
+    objs = objects(template(*values_args(case), "--set", "monitoring.enabled=true"))
+    [monitor] = by_kind(objs, "PodMonitor")
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    planner_pod = named(objs, "Deployment", "pdserve-planner")["spec"]["template"]
+    assert selects(monitor["spec"]["selector"], planner_pod["metadata"]["labels"])
+    [container] = planner_pod["spec"]["containers"]
+    [port] = [p for p in container["ports"] if p["name"] == endpoint["port"]]
+    assert port["containerPort"] == int(flags(container["args"])["--metrics-port"]) == 9095
+    assert endpoint["path"] == "/metrics"
+    # the scrapers' namespace may reach it
+    own = named(objs, "NetworkPolicy", "pdserve-planner")["spec"]
+    assert {"ports": [{"port": "metrics"}], "from": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]} in own["ingress"]
+
+
+def test_without_the_planner_the_pod_monitor_selects_only_workers(rendered):
+    [monitor] = by_kind(objects(rendered["monitoring"]), "PodMonitor")
+    [expression] = monitor["spec"]["selector"]["matchExpressions"]
+    assert expression["values"] == ["prefill", "decode", "ray-head"]
 
 
 def role_grants(role: dict) -> tuple[set[tuple[str, str, str]], dict[tuple[str, str, str], set[str]]]:

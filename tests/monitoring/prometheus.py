@@ -18,6 +18,8 @@ FILES = REPO / "deploy" / "helm" / "pdserve" / "files"
 PROMETHEUS = "/usr/bin/prometheus"
 RATE_INTERVAL = "20s"
 """What `$__rate_interval` becomes (Grafana makes it >= 4 scrape intervals; we scrape every second)."""
+RANGE = "5m"
+"""What `$__range` (the dashboard's time range, for instant queries) becomes."""
 COMPARISON = re.compile(r"^(?P<series>.+?)\s*(>|<|>=|<=|==|!=)\s*[0-9.]+$", re.S)
 METRIC = re.compile(r"pdserve:[A-Za-z0-9_:]+")
 
@@ -29,7 +31,7 @@ def dashboard_expressions() -> list[tuple[str, str]]:
         dash = json.loads(path.read_text())
         for panel in _panels(dash["panels"]):
             for target in panel.get("targets", []):
-                expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL)
+                expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL).replace("$__range", RANGE)
                 out.append((f"{path.name}: {panel['title']} [{target['refId']}]", expr))
     return out
 

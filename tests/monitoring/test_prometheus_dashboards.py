@@ -21,6 +21,7 @@ from pdserve.chaos.processes import stop_all
 from pdserve.protocol import generate_pb2
 from router.metrics import LATENCY_BUCKETS
 from tests.cluster.harness import free_port, generation_stub, start_router, start_worker
+from tests.monitoring.planner_process import SLO_ITL_MS, SLO_TTFT_MS, fake_kube_with_pools, start_planner
 from tests.monitoring.prometheus import Prometheus, dashboard_expressions, metric_names, rule_expressions
 
 TTFT_EXTRA_MS = 25.0
@@ -34,17 +35,22 @@ def kv_tier_flags(directory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir, tmp_path_factory):
-    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
+    """The router's address and the scrape targets by job: the workers, the router, and a `pdserve planner`
+    reading the router's metrics and sizing the pools through a fake Kubernetes API."""
+    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port(), "planner": free_port()}
     procs = []
+    kube = fake_kube_with_pools()
     try:
         procs.append(start_worker("prefill", "--metrics-port", str(ports["prefill"]),
                                   *kv_tier_flags(tmp_path_factory.mktemp("kv-prefill"))))
         procs.append(start_worker("decode", "--metrics-port", str(ports["decode"]),
                                   *kv_tier_flags(tmp_path_factory.mktemp("kv-decode"))))
         procs.append(start_router(procs[:1], procs[1:], "--metrics-port", str(ports["router"])))
+        procs.append(start_planner(kube, tmp_path_factory.mktemp("planner"), ports["router"], ports["planner"]))
         yield procs[2].address, {job: [f"127.0.0.1:{p}"] for job, p in ports.items()}
     finally:
         stop_all(procs)
+        kube.stop()
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +139,17 @@ def test_worker_metrics_count_the_load(cluster, prometheus):
             capacity = value(f'sum(pdserve:kv_tier_capacity_bytes{{role="{role}",medium="{medium}"}})')
             assert 0 < capacity <= gib * 2**30, (role, medium, capacity)
     assert value('sum(pdserve:kv_tier_used_bytes)') >= 0
+
+
+def test_the_planner_series_say_what_the_cluster_and_its_flags_say(cluster, prometheus):
+    """Prometheus scraped the planner: the ready workers the fake API reports and the SLOs it was given."""
+    def values(expr: str) -> dict[str, float]:
+        result = prometheus.query(expr)["data"]["result"]
+        assert result, expr
+        return {r["metric"].get("role", ""): float(r["value"][1]) for r in result}
+
+    assert values('pdserve:planner_actual_workers{role="decode"}') == {"decode": 1.0}
+    assert values("pdserve:planner_desired_workers") == {"prefill": 1.0, "decode": 1.0}
+    assert values("pdserve:planner_slo_seconds") == {"prefill": SLO_TTFT_MS / 1e3, "decode": SLO_ITL_MS / 1e3}
+    assert values('sum by (role) (pdserve:planner_worker_seconds_total)')["decode"] > 0
+    assert sum(values("sum by (role) (pdserve:planner_decisions_total)").values()) == 0
