@@ -57,6 +57,12 @@ class ClusterConfig:
     planner: PlannerConfig | None = None
     """`--planner`: resize the pools from live TTFT/ITL (planner/), starting from num_prefill/num_decode."""
 
+    def most_workers(self, role: str) -> int:
+        """Workers of `role` there may be at once: the planner's max, else the count asked for (a private
+        Ray cluster gets a CPU per rank of them, so a scale-up is never left pending)."""
+        count = getattr(self, f"num_{role}")
+        return max(count, self.planner.bounds(role).max_workers) if self.planner is not None else count
+
     def tensor_parallel_size(self, role: str) -> int:
         size = getattr(self, f"{role}_tensor_parallel_size")
         return self.worker.engine.tensor_parallel_size if size is None else size
@@ -114,8 +120,7 @@ class RayCluster:
 
         cfg = self.config
         num_workers = cfg.num_prefill + cfg.num_decode
-        num_ranks = cfg.num_prefill * cfg.tensor_parallel_size("prefill") + \
-            cfg.num_decode * cfg.tensor_parallel_size("decode")
+        num_ranks = sum(cfg.most_workers(role) * cfg.tensor_parallel_size(role) for role in ("prefill", "decode"))
         if not ray.is_initialized():
             if cfg.ray_address:  # "auto": the cluster `ray start` runs on this machine
                 ray.init(address=cfg.ray_address, logging_level=logging.WARNING, log_to_driver=True)

@@ -60,7 +60,7 @@ class PlannerLoop:
             return []
         wanted = {role: replicas[role].wanted for role in ROLES}
         obs = observe(self.history)
-        decisions = self.planner.decide(obs, wanted) if obs is not None else []
+        decisions = self.planner.decide(obs, replicas) if obs is not None else []
         done = []
         for decision in decisions:
             try:

@@ -15,6 +15,8 @@ from planner.router_metrics import RouterSnapshot
 from planner.scaler import ROLES
 
 QUANTILE = 0.9
+RECENT_MIN_ARRIVALS = 5
+"""The last interval's arrival rate counts only with at least this many arrivals in it."""
 
 
 @dataclasses.dataclass
@@ -31,6 +33,8 @@ class PoolObservation:
     """The same at the window's arrival rate only (steadier: what a scale-down is judged on)."""
     workers: float
     """Workers in rotation, averaged over the window."""
+    steady: bool
+    """The same number of workers in rotation all through the window."""
     requests: float
     """Requests finished in the window."""
     kv_usage: float
@@ -78,9 +82,11 @@ def observe(history: Sequence[RouterSnapshot]) -> Observation | None:
         return _delta(first, last, key)
 
     requests = delta("requests")
-    recent = last.time - history[-2].time
+    recent, recent_arrivals = last.time - history[-2].time, _delta(history[-2], last, "arrivals")
     window_rate = delta("arrivals") / span
-    arrival_rate = max(window_rate, _delta(history[-2], last, "arrivals") / recent if recent > 0 else 0.0)
+    arrival_rate = window_rate
+    if recent > 0 and recent_arrivals >= RECENT_MIN_ARRIVALS:  # fewer: too few to tell a rise from noise
+        arrival_rate = max(window_rate, recent_arrivals / recent)
     prompt, generated, prefilled = delta("prompt_tokens"), delta("generation_tokens"), delta("prefill_tokens")
     mean_in = prompt / requests if requests else 0.0
     mean_out = generated / requests if requests else 0.0
@@ -91,6 +97,7 @@ def observe(history: Sequence[RouterSnapshot]) -> Observation | None:
     latencies = {"prefill": last.ttft.since(first.ttft), "decode": last.itl.since(first.itl)}
     served = {"prefill": prefilled / span, "decode": generated / span}
     tokens = {"prefill": mean_in * uncached, "decode": mean_out}
+    counts = {role: [sum(w.healthy > 0 for w in s.pool(role)) for s in history] for role in ROLES}
     pools = {}
     for role in ROLES:
         workers = [w for w in last.pool(role) if w.healthy > 0]
@@ -101,7 +108,7 @@ def observe(history: Sequence[RouterSnapshot]) -> Observation | None:
             role=role, latency_s=latencies[role].quantile(QUANTILE), served_tokens_per_s=served[role],
             offered_tokens_per_s=arrival_rate * tokens[role] if known else served[role],
             window_tokens_per_s=window_rate * tokens[role] if known else served[role],
-            workers=sum(sum(w.healthy > 0 for w in s.pool(role)) for s in history) / len(history),
+            workers=sum(counts[role]) / len(history), steady=min(counts[role]) == max(counts[role]),
             requests=requests, kv_usage=sum(w.kv_blocks_used for w in workers) / total if total else 0.0,
             saturated=saturated, idle_first=[w.address for w in sorted(workers, key=lambda w: w.num_requests)])
     return Observation(time=last.time, window_s=span, pools=pools, queue_length=last.queue_length,

@@ -25,8 +25,9 @@ class PlannerMetrics:
                          registry=registry)
         self.decisions = Counter("pdserve:planner_decisions", "Pool size changes, by pool, direction and reason",
                                  ["role", "direction", "reason"], registry=registry)
-        self.worker_seconds = Counter("pdserve:planner_worker_seconds", "Worker-seconds spent, per pool (actual "
-                                      "workers integrated over time)", ["role"], registry=registry)
+        self.worker_seconds = Counter("pdserve:planner_worker_seconds", "Worker-seconds spent, per pool (workers "
+                                      "asked for or up, whichever is more, integrated over time)", ["role"],
+                                      registry=registry)
         self.errors = Counter("pdserve:planner_errors", "Planner intervals that failed (metrics unreadable, scaling "
                               "refused)", ["stage"], registry=registry)
         for role in ROLES:
@@ -47,6 +48,6 @@ class PlannerMetrics:
             self.load.labels(role).set(state.load)
             self.latency.labels(role).set(state.latency_s or 0.0)
             self.slo.labels(role).set(planner.config.slo_s(role))
-            self.worker_seconds.labels(role).inc(replicas[role].ready * elapsed_s)
+            self.worker_seconds.labels(role).inc(max(replicas[role].wanted, replicas[role].ready) * elapsed_s)
         for d in decisions:
             self.decisions.labels(d.role, d.direction, d.reason).inc()

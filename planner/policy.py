@@ -19,7 +19,7 @@ import math
 from planner.capacity import CapacityEstimate
 from planner.config import PlannerConfig
 from planner.observation import Observation
-from planner.scaler import ROLES
+from planner.scaler import ROLES, PoolReplicas
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +61,22 @@ class Planner:
         self.config = config
         self.pools = {role: PoolState(CapacityEstimate(config.slo_s(role))) for role in ROLES}
 
-    def decide(self, obs: Observation, wanted: dict[str, int]) -> list[Decision]:
-        """The changes to make after window `obs`, given each pool's current size."""
+    def decide(self, obs: Observation, replicas: dict[str, PoolReplicas]) -> list[Decision]:
+        """The changes to make after window `obs`, given each pool's current size. Capacity is learnt
+        only from settled windows: no worker starting or leaving during them (a window spanning a
+        resize mixes two sizes, and where workers share machines a starting one slows the others)."""
         decode_full = obs.queue_length > 0 and obs.pools["decode"].saturated
+        settled = all(r.wanted == r.ready for r in replicas.values()) and all(p.steady for p in obs.pools.values())
         decisions = []
         for role in ROLES:
             state, pool = self.pools[role], obs.pools[role]
             latency = pool.latency_s
             if role == "prefill" and latency is not None and decode_full and obs.queue_time_p90_s:
                 latency = max(0.0, latency - obs.queue_time_p90_s)  # waiting for decode room is not prefill's
-            if latency is not None and pool.requests >= self.config.min_requests and pool.workers > 0:
+            if settled and latency is not None and pool.requests >= self.config.min_requests and pool.workers > 0:
                 state.capacity.observe(pool.per_worker_tokens_per_s, latency, obs.time)
             state.load, state.latency_s = pool.offered_tokens_per_s, latency
-            decision = self._decide_pool(role, state, obs, wanted[role])
+            decision = self._decide_pool(role, state, obs, replicas[role].wanted)
             if decision is not None:
                 state.last_change, state.calm_since = obs.time, None
                 decisions.append(decision)
