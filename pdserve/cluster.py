@@ -235,6 +235,16 @@ class RayCluster:
         actor, _ = self.place(role, node)
         return actor, WorkerSlot(role, node["NodeID"], "", actor)
 
+    def wait_started(self, actor, timeout_s: float) -> str:
+        """The worker's address once it serves; raises if it failed to start or was killed."""
+        import ray
+        return ray.get(actor.address.remote(), timeout=timeout_s)
+
+    def drain(self, actor, timeout_s: float) -> None:
+        """Let the worker finish what it holds (new requests refused), then stop serving."""
+        import ray
+        ray.get(actor.drain.remote(timeout_s), timeout=timeout_s + 120)
+
     def place(self, role: str, node: dict):
         [slot] = probe_node_slots([node], timeout_s=60)
         with self._lock:

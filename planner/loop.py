@@ -69,6 +69,7 @@ class PlannerLoop:
                 logger.warning("planner: scaling %s to %d failed: %s", decision.role, decision.desired, exc)
                 self._count_error("scale")
                 continue
+            self.planner.applied(decision, obs.time)
             wanted[decision.role] = decision.desired
             done.append(decision)
             self.decisions.append(DecisionRecord(now, decision))

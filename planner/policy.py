@@ -54,6 +54,8 @@ class PoolState:
     load: float = 0.0
     latency_s: float | None = None
     warned_infeasible: bool = False
+    settled: bool = False
+    """The last window had no worker starting or leaving."""
 
 
 class Planner:
@@ -76,11 +78,16 @@ class Planner:
             if settled and latency is not None and pool.requests >= self.config.min_requests and pool.workers > 0:
                 state.capacity.observe(pool.per_worker_tokens_per_s, latency, obs.time)
             state.load, state.latency_s = pool.offered_tokens_per_s, latency
+            state.settled = settled
             decision = self._decide_pool(role, state, obs, replicas[role].wanted)
             if decision is not None:
-                state.last_change, state.calm_since = obs.time, None
                 decisions.append(decision)
         return decisions
+
+    def applied(self, decision: Decision, time: float) -> None:
+        """The decision was carried out at `time` (a refused one is not: the next window decides again)."""
+        state = self.pools[decision.role]
+        state.last_change, state.calm_since = time, None
 
     def _decide_pool(self, role: str, state: PoolState, obs: Observation, current: int) -> Decision | None:
         cfg, pool = self.config, obs.pools[role]
@@ -124,7 +131,7 @@ class Planner:
             reason = SLO_REASON[role] if missed else "load_above_capacity"
             return state.needed, reason, (f"load {pool.offered_tokens_per_s:.0f} tok/s needs {state.needed} workers "
                                           f"at {state.capacity.tokens_per_s:.0f} tok/s each")
-        if missed and state.capacity.feasible:
+        if missed and state.capacity.feasible and state.settled:  # a blind step: once the last one shows
             return current + 1, SLO_REASON[role], f"p90 {latency * 1e3:.0f} ms > SLO {slo * 1e3:.0f} ms"
         if missed and not state.warned_infeasible:
             logger.warning("planner: %s p90 %.0f ms misses its SLO of %.0f ms, but the pool's idle latency is "

@@ -40,8 +40,9 @@ class Member:
 
 class RayScaler:
     def __init__(self, cluster, pool, loop: asyncio.AbstractEventLoop, drain_timeout_s: float) -> None:
-        """`cluster`: a started pdserve.cluster.RayCluster; `pool`: the router's WorkerPool, whose
-        event loop is `loop` (the scaler's calls come from the planner's thread)."""
+        """`cluster`: a started pdserve.cluster.RayCluster (spawn, wait_started, drain, kill, members,
+        slots); `pool`: the router's WorkerPool, whose event loop is `loop` (the scaler's calls come
+        from the planner's thread)."""
         self.cluster = cluster
         self.pool = pool
         self.loop = loop
@@ -94,9 +95,8 @@ class RayScaler:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def _start(self, member: Member) -> None:
-        import ray
         try:
-            address = ray.get(member.actor.address.remote(), timeout=START_TIMEOUT_S)
+            address = self.cluster.wait_started(member.actor, START_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - it failed to start, or was cancelled by a scale-down
             if member.state is not MemberState.DRAINING:
                 logger.warning("planner: a new %s worker failed to start: %s", member.role, exc)
@@ -117,17 +117,13 @@ class RayScaler:
         logger.warning("planner: %s worker %s added", member.role, address)
 
     def _remove(self, member: Member) -> None:
-        import ray
-        if not member.address:  # still starting: _start drains it once it answers, or it never started
-            try:
-                ray.kill(member.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        if not member.address:  # still starting: cancelled (its _start then forgets it)
+            self.cluster.kill(member.actor)
             return
         address = member.address
         self._on_loop(self._retire(address))
         try:
-            ray.get(member.actor.drain.remote(self.drain_timeout_s), timeout=self.drain_timeout_s + 120)
+            self.cluster.drain(member.actor, self.drain_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a dead worker has nothing left to drain
             logger.warning("planner: %s worker %s did not drain cleanly: %s", member.role, address, exc)
         self._on_loop(self.pool.remove(address))
