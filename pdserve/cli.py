@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
                            help=f"ranks of each {role} worker (default: --tensor-parallel-size); prefill and "
                                 "decode may differ, their KV moves between any two sizes")
+    serve.add_argument("--follow-ray-nodes", action="store_true",
+                       help="with --ray-address: run a worker per unit of pdserve_<role> each node declares, "
+                            "as nodes join and leave (a RayCluster resized by `pdserve planner`)")
     serve.add_argument("--internal-tls", action="store_true",
                        help="mutual TLS on router -> worker gRPC and the KV links, with a throwaway CA made at "
                             "start (needs the openssl command; one host only)")
@@ -383,6 +386,7 @@ def _prepare(args: argparse.Namespace):
                            log_level=args.log_level.upper(), internal_tls=args.internal_tls,
                            prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
                            decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+                           follow_ray_nodes=args.follow_ray_nodes,
                            planner=planner_config_from_args(args) if args.planner else None)
     return lambda: run_serve(config)
 

@@ -54,6 +54,9 @@ class ClusterConfig:
     """Ranks of each prefill worker (None: the worker template's --tensor-parallel-size)."""
     decode_tensor_parallel_size: int | None = None
     """Ranks of each decode worker (None: the worker template's); may differ from prefill's."""
+    follow_ray_nodes: bool = False
+    """With ray_address: every node declaring `pdserve_<role>: N` runs N workers of the role, as nodes come
+    and go (the chart's RayCluster resized by `pdserve planner`); see NodeSupervisor.follow_nodes."""
     planner: PlannerConfig | None = None
     """`--planner`: resize the pools from live TTFT/ITL (planner/), starting from num_prefill/num_decode."""
 
@@ -79,6 +82,9 @@ class ClusterConfig:
             raise ValueError("--prefill must be >= 0 (0: decode workers prefill themselves)")
         if self.num_decode < 1:
             raise ValueError("--decode must be >= 1")
+        if self.follow_ray_nodes and (self.ray_address is None or self.planner is not None):
+            raise ValueError("--follow-ray-nodes needs --ray-address, and sizes the pools by the cluster's nodes: "
+                             "not with --planner (which sizes them by starting actors)")
         if self.planner is not None:
             for role in ("prefill", "decode"):
                 count, bounds = getattr(self, f"num_{role}"), self.planner.bounds(role)
@@ -286,7 +292,8 @@ class RayCluster:
 
 def supervisor_for(cluster: RayCluster) -> NodeSupervisor:
     """The node supervisor of a joined cluster's worker slots, with the cluster as its Ray backend."""
-    return NodeSupervisor(cluster.slots, cluster, cluster.use_gpu, cluster.declared_roles)
+    return NodeSupervisor(cluster.slots, cluster, cluster.use_gpu, cluster.declared_roles,
+                          cluster.config.follow_ray_nodes)
 
 
 def probe_node_slots(nodes: list[dict], timeout_s: float = 120) -> list[NodeSlot]:

@@ -129,31 +129,54 @@ def least_loaded_node(nodes: list[dict], role: str, slots: list[WorkerSlot], use
 
 class NodeSupervisor:
     def __init__(self, slots: list[WorkerSlot], backend: Backend, use_gpu: bool,
-                 declared_roles: set[str]) -> None:
+                 declared_roles: set[str], follow_nodes: bool = False) -> None:
         self.slots = slots
         self.backend = backend
         self.use_gpu = use_gpu
         self.declared_roles = declared_roles
         """Roles whose actors ask for `pdserve_<role>`: only nodes declaring it can take them."""
+        self.follow_nodes = follow_nodes
+        """`serve --follow-ray-nodes`: a pool's size is its declaring nodes' (`pdserve_<role>: N` runs N
+        workers there), so something else (the planner resizing a RayCluster's worker groups) sizes it:
+        a node that joins gets its workers, and the slots of a node that is gone are dropped, not kept
+        for a node that may rejoin."""
 
     def tick(self, now: float) -> list[Remove | Add]:
         """One poll: what the router's pool must drop and take, in order."""
         nodes = self.backend.nodes()
         alive = {n["NodeID"] for n in nodes if n.get("Alive")}
         changes: list[Remove | Add] = []
-        for slot in self.slots:
+        for slot in list(self.slots):
             if slot.state is SlotState.RUNNING:
                 reason = lost_reason(slot, alive, slot.node_id in alive and self.backend.actor_dead(slot.actor))
                 if reason is not None:
-                    logger.warning("%s worker %s lost: %s; out of rotation, waiting for a node to re-place it",
-                                   slot.role, slot.address, reason)
+                    logger.warning("%s worker %s lost: %s; out of rotation%s", slot.role, slot.address, reason,
+                                   "" if self.follow_nodes else ", waiting for a node to re-place it")
                     changes.append(Remove(slot.role, slot.address))
                     self._lose(slot, now)
             elif slot.state is SlotState.STARTING:
                 self._check_start(slot, alive, now, changes)
-            if slot.state is SlotState.LOST and now >= slot.not_before:
-                self._place(slot, nodes, now)
+            if slot.state is SlotState.LOST and self.follow_nodes and slot.node_id not in alive:
+                self.slots.remove(slot)  # its node is gone for good: the pool shrank
+                continue
+            if slot.state is SlotState.LOST and now >= slot.not_before:  # following: back on its own node
+                self._place(slot, [n for n in nodes if n["NodeID"] == slot.node_id] if self.follow_nodes else nodes,
+                            now)
+        if self.follow_nodes:
+            self._fill_new_nodes(nodes, now)
         return changes
+
+    def _fill_new_nodes(self, nodes: list[dict], now: float) -> None:
+        """A slot for each worker a declaring node has room for and does not run yet, placed there."""
+        for role in sorted(self.declared_roles):
+            for node in eligible_nodes(nodes, role, self.use_gpu, declared_only=True):
+                room = int(node["Resources"].get(f"pdserve_{role}", 0))
+                held = sum(s.role == role and s.node_id == node["NodeID"] for s in self.slots)
+                for _ in range(room - held):
+                    slot = WorkerSlot(role, node["NodeID"], "", state=SlotState.LOST)
+                    self.slots.append(slot)
+                    logger.warning("node %s joined with room for a %s worker", node["NodeID"][:12], role)
+                    self._place(slot, [node], now)
 
     def _check_start(self, slot: WorkerSlot, alive: set[str], now: float, changes: list) -> None:
         if slot.node_id not in alive:

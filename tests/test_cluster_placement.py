@@ -37,6 +37,24 @@ def test_serve_sizes_prefill_and_decode_ranks_separately():
         ClusterConfig(router=RouterConfig(), worker=worker, prefill_tensor_parallel_size=0)
 
 
+def test_serve_flags_of_the_planner_and_node_following_are_checked():
+    from pdserve.cluster import ClusterConfig
+    from planner.config import PlannerConfig
+    from router.config import RouterConfig
+    from worker_runtime.config import WorkerConfig
+    worker = WorkerConfig(role="decode")
+    with pytest.raises(ValueError, match="--follow-ray-nodes needs --ray-address"):
+        ClusterConfig(RouterConfig(), worker, follow_ray_nodes=True)
+    with pytest.raises(ValueError, match="not with --planner"):
+        ClusterConfig(RouterConfig(), worker, ray_address="auto", follow_ray_nodes=True, planner=PlannerConfig())
+    with pytest.raises(ValueError, match="--decode 5 is outside the planner's --min-decode 1 .. --max-decode 4"):
+        ClusterConfig(RouterConfig(), worker, num_decode=5, planner=PlannerConfig())
+    # a private Ray cluster is sized for the planner's largest pools, so a scale-up never waits for a CPU
+    config = ClusterConfig(RouterConfig(), worker, planner=PlannerConfig(max_prefill=3, max_decode=2))
+    assert (config.most_workers("prefill"), config.most_workers("decode")) == (3, 2)
+    assert ClusterConfig(RouterConfig(), worker, num_prefill=2).most_workers("prefill") == 2
+
+
 def _node(ip: str, alive: bool = True, **resources) -> dict:
     return {"NodeID": f"id-{ip}", "NodeManagerAddress": ip, "Alive": alive, "Resources": {"CPU": 4.0, **resources}}
 

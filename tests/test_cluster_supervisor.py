@@ -197,3 +197,31 @@ def test_supervise_applies_each_ticks_changes_to_the_pool_on_its_loop(monkeypatc
     loop_thread = asyncio.run(main(pool))
     assert pool.calls == [("remove", "10.0.0.3:1"), ("add", "10.0.0.3:2", "decode")]
     assert pool.threads == {loop_thread}  # applied on the router's loop, not the supervisor's thread
+
+
+def test_following_nodes_a_new_pod_gets_its_worker_and_a_deleted_one_leaves_the_pool():
+    """`serve --follow-ray-nodes` (a RayCluster the planner resizes): the pool is what the declaring
+    nodes hold, one worker per unit of `pdserve_<role>`."""
+    nodes = [_node("head", "10.0.0.1"), _node("p1", "10.0.0.2", pdserve_prefill=1.0),
+             _node("d1", "10.0.0.3", pdserve_decode=1.0)]
+    slots = [WorkerSlot("prefill", "p1", "10.0.0.2:5001", "prefill-actor-0"),
+             WorkerSlot("decode", "d1", "10.0.0.3:5002", "decode-actor-0")]
+    fake = FakeCluster(nodes)
+    supervisor = NodeSupervisor(slots, fake, use_gpu=False, declared_roles={"prefill", "decode"}, follow_nodes=True)
+    assert supervisor.tick(0.0) == [] and fake.placed == []  # every node full: nothing to do
+    # the planner grew the decode group: the new pod joins, a worker starts there and joins the pool
+    fake.node_list.append(_node("d2", "10.0.0.4", pdserve_decode=1.0))
+    assert supervisor.tick(1.0) == [] and fake.placed == [("decode", "10.0.0.4")]
+    assert supervisor.tick(2.0) == [] and len(supervisor.slots) == 3  # placed once, not again while it starts
+    fake.ready["start-decode-actor-1"] = "10.0.0.4:6002"
+    assert supervisor.tick(3.0) == [Add("decode", "10.0.0.4:6002")]
+    # the planner shrank it (KubeRay deleted the pod): the worker leaves the pool and its slot is dropped
+    fake.node_list[2] = _node("d1", "10.0.0.3", alive=False, pdserve_decode=1.0)
+    assert supervisor.tick(4.0) == [Remove("decode", "10.0.0.3:5002")]
+    assert [s.node_id for s in supervisor.slots] == ["p1", "d2"]
+    assert supervisor.tick(5.0) == [] and fake.placed == [("decode", "10.0.0.4")]  # nothing waits to come back
+    # an actor dead for good on a live node is re-placed on that same node
+    fake.dead.add("prefill-actor-0")
+    assert supervisor.tick(6.0) == [Remove("prefill", "10.0.0.2:5001")]
+    assert fake.placed[-1] == ("prefill", "10.0.0.2")
+
