@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.cluster.harness import Proc, start
-from tests.planner.k8s_fake import NS, FakeKube, deployment
+from tests.planner.k8s_fake import NS, FakeKube, deployment, write_kubeconfig
 
 SLO_TTFT_MS = 30000.0
 SLO_ITL_MS = 5000.0
@@ -21,23 +21,6 @@ def fake_kube_with_pools() -> FakeKube:
         labels = {"app.kubernetes.io/instance": "pdserve", "app.kubernetes.io/component": role}
         kube.deployments[name] = deployment(name, 1, 1, labels)
     return kube
-
-
-def write_kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(f"""apiVersion: v1
-kind: Config
-clusters:
-- name: fake
-  cluster: {{server: "{server}"}}
-users:
-- name: planner
-  user: {{token: unused}}
-contexts:
-- name: fake
-  context: {{cluster: fake, user: planner, namespace: {NS}}}
-current-context: fake
-""")
-    return path
 
 
 def start_planner(kube: FakeKube, workdir: Path, router_metrics_port: int, metrics_port: int) -> Proc:

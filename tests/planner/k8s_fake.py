@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import threading
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +35,24 @@ def rbac_rule(request: Recorded) -> tuple[str, str, str, str | None]:
     verb = {"GET": "get" if name else "list", "PATCH": "patch", "PUT": "update", "POST": "create",
             "DELETE": "delete"}[request.method]
     return group, resource, verb, name
+
+
+def write_kubeconfig(path: Path, server: str, token: str = "unused") -> Path:
+    """A kubeconfig pointing at `server` with a bearer `token`, namespace NS."""
+    path.write_text(f"""apiVersion: v1
+kind: Config
+clusters:
+- name: fake
+  cluster: {{server: "{server}"}}
+users:
+- name: planner
+  user: {{token: {token}}}
+contexts:
+- name: fake
+  context: {{cluster: fake, user: planner, namespace: {NS}}}
+current-context: fake
+""")
+    return path
 
 
 def deployment(name: str, replicas: int, ready: int | None, labels: dict[str, str]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from kubernetes import client
 from planner.k8s_targets import host_of, idlest_pods
 from planner.kubernetes_scaler import KubernetesScaler, KubernetesTargetConfig, ScaleError
 from planner.scaler import PoolReplicas
-from tests.planner.k8s_fake import NS, FakeKube, deployment, pod, raycluster
+from tests.planner.k8s_fake import NS, FakeKube, deployment, pod, raycluster, write_kubeconfig
 
 PREFILL = {"app.kubernetes.io/instance": "pdserve", "app.kubernetes.io/component": "prefill"}
 DECODE = {"app.kubernetes.io/instance": "pdserve", "app.kubernetes.io/component": "decode"}
@@ -184,20 +184,7 @@ def test_raycluster_refuses_counts_outside_min_max_and_a_reordered_list(kube):
 def test_kubeconfig_file_is_honoured(kube, tmp_path):
     chart_deployments(kube)
     kube.token = "s3cr3t-token"
-    path = tmp_path / "kubeconfig"
-    path.write_text(f"""apiVersion: v1
-kind: Config
-clusters:
-- name: fake
-  cluster: {{server: "{kube.url}"}}
-users:
-- name: planner
-  user: {{token: s3cr3t-token}}
-contexts:
-- name: fake
-  context: {{cluster: fake, user: planner, namespace: {NS}}}
-current-context: fake
-""")
+    path = write_kubeconfig(tmp_path / "kubeconfig", kube.url, "s3cr3t-token")
     scaler = KubernetesScaler.from_config(DEPLOYMENTS, str(path))
     scaler.scale("decode", 2)
     assert {r.headers.get("Authorization") for r in kube.requests} == {"Bearer s3cr3t-token"}
