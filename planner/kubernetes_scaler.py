@@ -2,8 +2,9 @@
 or a KubeRay RayCluster's worker groups (`spec.workerGroupSpecs[i].replicas`, by JSON Patch).
 
 Scaling down, the pods to remove are chosen from `idle_first` (matched by pod IP): Deployments get the
-ReplicaSet hint `controller.kubernetes.io/pod-deletion-cost` on those pods, a RayCluster names them in
-the group's `scaleStrategy.workersToDelete`. Either way the pod gets SIGTERM and drains.
+ReplicaSet hint `controller.kubernetes.io/pod-deletion-cost` on those pods (their SIGTERM drains the
+worker), a RayCluster names them in the group's `scaleStrategy.workersToDelete` (the head's
+`serve --follow-ray-nodes` drops the pod's worker from the pool; its streams migrate).
 
 RBAC it needs (namespaced): deployments mode: apps deployments get, deployments/scale get+patch, pods
 list+patch; raycluster mode: ray.io rayclusters get+patch, pods list.
