@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -89,8 +90,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="bench/results/planner_steps.json")
     args = parser.parse_args()
-    log_dir = Path(args.output).parent
-    log_dir.mkdir(parents=True, exist_ok=True)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="planner-steps-"))
+    print(f"serve logs in {log_dir}", flush=True)
     m = args.max_workers
     configs = {"planner": ((1, 1), (1, m)), "static-2": ((m, m), (m, m)), "static-1": ((1, 1), (1, 1))}
     rows = [one_config(name, *configs[name], args, log_dir) for name in args.configs.split(",")]
