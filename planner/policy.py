@@ -3,8 +3,9 @@
 Each pool is sized on its own: workers = ceil(load / (capacity * target_utilization)), with the
 capacity learnt online (planner/capacity.py). Around that:
 - up at once (after `scale_up_cooldown_s` since the pool last changed): the load needs more
-  workers, the SLO is missed (one more while the estimate catches up), or requests wait at the
-  router for a pool whose workers are all saturated (decode: or its KV is nearly full);
+  workers (once the p90 is within PREDICTIVE_LATENCY_FRACTION of the SLO), the SLO is missed (one
+  more while the estimate catches up), or requests wait at the router for a pool whose workers are
+  all saturated (decode: or its KV is nearly full);
 - down only after `scale_down_window_s` of windows in which fewer workers would have carried the
   load at `scale_down_utilization` (< target: hysteresis), with the SLO met and nothing waiting,
   and `scale_down_cooldown_s` after the last change; to the size the window's peak load needs;
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 REASONS = ("below_min", "above_max", "load_above_capacity", "ttft_above_slo", "itl_above_slo", "queue_backlog",
            "kv_usage_high", "load_below_capacity")
 SLO_REASON = {"prefill": "ttft_above_slo", "decode": "itl_above_slo"}
+PREDICTIVE_LATENCY_FRACTION = 0.6
+"""The learnt capacity adds workers ahead of a missed SLO only once the p90 is this close to it (or
+requests wait): an online fit extrapolates, and a pool far below its SLO has no need of its prediction."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +131,8 @@ class Planner:
         cfg, pool = self.config, obs.pools[role]
         slo, latency = cfg.slo_s(role), state.latency_s
         missed = latency is not None and latency > slo and pool.requests >= cfg.min_requests
-        if state.needed is not None and state.needed > current:
+        near = latency is not None and latency >= PREDICTIVE_LATENCY_FRACTION * slo
+        if state.needed is not None and state.needed > current and (missed or near or obs.queue_length > 0):
             reason = SLO_REASON[role] if missed else "load_above_capacity"
             return state.needed, reason, (f"load {pool.offered_tokens_per_s:.0f} tok/s needs {state.needed} workers "
                                           f"at {state.capacity.tokens_per_s:.0f} tok/s each")
