@@ -23,7 +23,8 @@ RECENT_MIN_ARRIVALS = 5
 class PoolObservation:
     role: str
     latency_s: float | None
-    """TTFT p90 (prefill) or ITL p90 (decode) over the window; None without requests."""
+    """TTFT p90 (prefill) or decode ITL p90 (decode: without the hand-off gap) over the window; None
+    without requests."""
     served_tokens_per_s: float
     """Prompt tokens computed by prefill workers, or tokens generated, per second."""
     offered_tokens_per_s: float

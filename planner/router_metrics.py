@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from prometheus_client.parser import text_string_to_metric_families
 
 TTFT = "pdserve:time_to_first_token_seconds"
-ITL = "pdserve:inter_token_latency_seconds"
+ITL = "pdserve:decode_inter_token_latency_seconds"
+"""Decode steps only: the first gap after the first token is the hand-off from prefill, not decode's."""
 QUEUE_TIME = "pdserve:request_queue_time_seconds"
 COUNTERS = {
     "requests": "pdserve:request_success",

@@ -60,6 +60,11 @@ class RouterMetrics:
         self.itl = Histogram("pdserve:inter_token_latency_seconds",
                              "Gap between consecutive chunks of a request as the router relays them",
                              registry=self.registry, buckets=TOKEN_LATENCY_BUCKETS)
+        self.decode_itl = Histogram("pdserve:decode_inter_token_latency_seconds",
+                                    "Gaps between chunks after a request's second one: decode steps only (the "
+                                    "first gap holds the prefill -> decode hand-off and KV pull); what the "
+                                    "planner sizes the decode pool by", registry=self.registry,
+                                    buckets=TOKEN_LATENCY_BUCKETS)
         self.tpot = Histogram("pdserve:request_time_per_output_token_seconds",
                               "(e2e latency - TTFT) / (output tokens - 1), per request with 2+ tokens",
                               registry=self.registry, buckets=TOKEN_LATENCY_BUCKETS)

@@ -110,6 +110,8 @@ class RequestRunner:
                         self.metrics.ttft.observe(now - arrival)
                     else:
                         self.metrics.itl.observe(now - last_chunk_at)
+                        if last_chunk_at != first_token_at:  # the first gap holds the hand-off to decode
+                            self.metrics.decode_itl.observe(now - last_chunk_at)
                     last_chunk_at = now
                     num_tokens += len(item.chunk.token_ids)
                     self.metrics.generation_tokens.inc(len(item.chunk.token_ids))

@@ -63,7 +63,7 @@ class SimCluster:
         self._served = {role: 0.0 for role in ROLES}
         registry = self.registry = CollectorRegistry()
         self._ttft = Histogram("pdserve:time_to_first_token_seconds", "", registry=registry, buckets=LATENCY_BUCKETS)
-        self._itl = Histogram("pdserve:inter_token_latency_seconds", "", registry=registry,
+        self._itl = Histogram("pdserve:decode_inter_token_latency_seconds", "", registry=registry,
                               buckets=TOKEN_LATENCY_BUCKETS)
         self._requests = Counter("pdserve:request_success", "", registry=registry)
         self._arrivals = Counter("pdserve:request_arrivals", "", registry=registry)

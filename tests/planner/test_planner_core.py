@@ -26,7 +26,7 @@ class FakeRouter:
         self.registry = CollectorRegistry()
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "", registry=self.registry,
                               buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0))
-        self.itl = Histogram("pdserve:inter_token_latency_seconds", "", registry=self.registry,
+        self.itl = Histogram("pdserve:decode_inter_token_latency_seconds", "", registry=self.registry,
                              buckets=(0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2))
         self.counters = {name: Counter(f"pdserve:{name}", "", registry=self.registry) for name in (
             "request_success", "request_arrivals", "prompt_tokens", "generation_tokens", "router_prefill_tokens",
