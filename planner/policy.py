@@ -138,7 +138,7 @@ class Planner:
                                           f"at {state.capacity.tokens_per_s:.0f} tok/s each")
         if missed and state.capacity.feasible and state.settled:  # a blind step: once the last one shows
             return current + 1, SLO_REASON[role], f"p90 {latency * 1e3:.0f} ms > SLO {slo * 1e3:.0f} ms"
-        if missed and not state.warned_infeasible:
+        if missed and not state.capacity.feasible and not state.warned_infeasible:
             logger.warning("planner: %s p90 %.0f ms misses its SLO of %.0f ms, but the pool's idle latency is "
                            "%.0f ms (fitted): more workers cannot meet it (adding none)", role, latency * 1e3,
                            slo * 1e3, (state.capacity.base_latency_s or 0.0) * 1e3)
