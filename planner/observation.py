@@ -58,9 +58,7 @@ class Observation:
     queue_length: float
     queue_time_p90_s: float | None
     request_rate: float
-    failures: float
-    mean_input_tokens: float
-    mean_output_tokens: float
+    """Arrivals/s the demand is computed from."""
 
 
 def _delta(first: RouterSnapshot, last: RouterSnapshot, key: str) -> float:
@@ -114,5 +112,4 @@ def observe(history: Sequence[RouterSnapshot]) -> Observation | None:
             saturated=saturated, idle_first=[w.address for w in sorted(workers, key=lambda w: w.num_requests)])
     return Observation(time=last.time, window_s=span, pools=pools, queue_length=last.queue_length,
                        queue_time_p90_s=last.queue_time.since(first.queue_time).quantile(QUANTILE),
-                       request_rate=arrival_rate, failures=delta("failures"), mean_input_tokens=mean_in,
-                       mean_output_tokens=mean_out)
+                       request_rate=arrival_rate)

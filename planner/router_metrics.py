@@ -18,7 +18,6 @@ QUEUE_TIME = "pdserve:request_queue_time_seconds"
 COUNTERS = {
     "requests": "pdserve:request_success",
     "arrivals": "pdserve:request_arrivals",
-    "failures": "pdserve:request_failure",
     "prompt_tokens": "pdserve:prompt_tokens",
     "generation_tokens": "pdserve:generation_tokens",
     "prefill_tokens": "pdserve:router_prefill_tokens",
