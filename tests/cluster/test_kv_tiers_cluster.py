@@ -32,14 +32,16 @@ def test_restarted_workers_serve_a_prefix_from_their_disk_tier(tmp_path):
         for worker in (prefill, decode):  # the device pools are gone; the disk files stay
             worker.stop()
             worker.restart()
-        disk_blocks = 0.0
-        for _ in range(100):  # the router resyncs from the restarted workers' snapshots
-            disk_blocks = sum(metric_value(f"http://127.0.0.1:{router_metrics}/metrics", "pdserve:kv_index_blocks",
-                                           worker=w.address, medium="disk") or 0 for w in (prefill, decode))
-            if disk_blocks >= 24:
+        disk_blocks, healthy, url = 0.0, 0.0, f"http://127.0.0.1:{router_metrics}/metrics"
+        for _ in range(100):  # the router resyncs from the restarted workers' snapshots and polls them back
+            disk_blocks = sum(metric_value(url, "pdserve:kv_index_blocks", worker=w.address, medium="disk") or 0
+                              for w in (prefill, decode))
+            healthy = sum(metric_value(url, "pdserve:worker_healthy", worker=w.address) or 0 for w in (prefill, decode))
+            if disk_blocks >= 24 and healthy == 2:
                 break
             time.sleep(0.2)
         assert disk_blocks >= 24  # both workers announced the prompt's 12 blocks on disk
+        assert healthy == 2  # and are back in rotation (the index can resync before the next health poll)
         again = generate_routed(router, prompt, max_tokens=6)
         assert again["tokens"] == first["tokens"]
         assert again["cached"] == 192  # every full block but none computed again
