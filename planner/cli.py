@@ -3,12 +3,9 @@ the Kubernetes API) and of `pdserve serve --planner` (the same planner over serv
 from __future__ import annotations
 
 import argparse
-import logging
 import threading
 
 from planner.config import PlannerConfig
-
-logger = logging.getLogger(__name__)
 
 
 def add_planner_args(p: argparse.ArgumentParser, in_serve: bool) -> None:
@@ -82,12 +79,12 @@ def run_planner(config: PlannerConfig, scaler, urls: list[str], host: str, metri
     from planner.loop import PlannerLoop
     from planner.planner_metrics import PlannerMetrics
     from planner.router_scrape import read_routers
-    from planner.serve_planner import _print_decision
+    from planner.serve_planner import print_decision
 
     registry = CollectorRegistry()
     server = MetricsServer(registry, host, metrics_port) if metrics_port is not None else None
     loop = PlannerLoop(config, lambda: read_routers(urls), scaler, PlannerMetrics(registry),
-                       on_decision=_print_decision)
+                       on_decision=print_decision)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

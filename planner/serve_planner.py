@@ -20,7 +20,7 @@ class ServePlanner:
         registry = router.metrics.registry
         self.scaler = RayScaler(cluster, router.pool, asyncio.get_running_loop(), drain_timeout_s)
         self.loop = PlannerLoop(config, lambda: [generate_latest(registry).decode()], self.scaler,
-                                PlannerMetrics(registry), on_decision=_print_decision)
+                                PlannerMetrics(registry), on_decision=print_decision)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.loop.run, args=(self._stop,), name="planner", daemon=True)
 
@@ -37,6 +37,7 @@ class ServePlanner:
         self.scaler.close()
 
 
-def _print_decision(decision: Decision) -> None:
+def print_decision(decision: Decision) -> None:
+    """The decision as a line on stdout (what an operator watching serve or the planner sees)."""
     print(f"planner: {decision.role} {decision.current} -> {decision.desired} ({decision.reason}: "
           f"{decision.detail})", flush=True)
