@@ -10,6 +10,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 << 20
+WORKER_MAX_REQUEST_BYTES = 16 << 20
+"""What a worker reads of one request: internal requests carry token ids (a few bytes each), so this
+holds millions of tokens; a larger one is refused before it is buffered."""
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 # Health service name that stays SERVING while the process runs, draining included: what a

@@ -5,6 +5,10 @@ address joins the pool (connected, checked, its KV events fed); one whose key
 has expired (missed heartbeats, or it left on drain) is removed. Workers given
 on the command line are never removed here (the health poll handles them).
 
+With a cluster secret only registrations signed by a worker holding it count
+(`pdserve.cluster_auth.registrations`): an address anyone else wrote is ignored
+(logged once), never dialled.
+
 If Redis is unreachable the pool stays as it is (routers serve on their last
 view). When it comes back — possibly restarted and empty — workers re-register
 within a third of their TTL, so removals wait one TTL after a reconnect.
@@ -18,14 +22,18 @@ import time
 from redis.exceptions import RedisError
 
 from pdserve import redis_keys
+from pdserve.cluster_auth import registrations
 from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
 
 class RedisRegistry:
-    def __init__(self, redis, pool: WorkerPool, interval_s: float, ttl_s: float) -> None:
+    def __init__(self, redis, pool: WorkerPool, interval_s: float, ttl_s: float, key: bytes | None = None) -> None:
         self.redis = redis
+        self.key = key
+        """Registrations must be signed with it (None: no cluster secret, any registration counts)."""
+        self._refused: set[bytes] = set()
         self.pool = pool
         self.interval_s = interval_s
         self.ttl_s = ttl_s
@@ -69,9 +77,30 @@ class RedisRegistry:
             return {}
         async with self.redis.pipeline(transaction=False) as pipe:
             for key in keys:
-                pipe.hmget(key, "address", "role")
+                pipe.hgetall(key)
             rows = await pipe.execute()
-        return {address.decode(): role.decode() for address, role in rows if address and role}
+        registered = {}
+        for key, fields in zip(keys, rows, strict=True):
+            fields = {name.decode(errors="replace"): value for name, value in fields.items()}
+            address, role = fields.get("address"), fields.get("role")
+            if not address or not role:
+                continue
+            if self.key is not None and not self._trusted(key, fields):
+                continue
+            registered[address.decode()] = role.decode()
+        return registered
+
+    def _trusted(self, key: bytes, fields: dict[str, bytes]) -> bool:
+        """Is this registration signed with the cluster secret, under its own address's key?"""
+        address = fields["address"].decode(errors="replace")
+        if registrations.verify(self.key, fields) and key.decode(errors="replace") == redis_keys.worker_key(address):
+            self._refused.discard(key)
+            return True
+        if key not in self._refused:
+            self._refused.add(key)
+            logger.warning("ignoring the worker registration %s: not signed with the cluster secret",
+                           key.decode(errors="replace"))
+        return False
 
     async def _run(self) -> None:
         while True:

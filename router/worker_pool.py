@@ -182,8 +182,8 @@ class WorkerPool:
 
     async def _check(self, worker: WorkerClient) -> None:
         try:
-            stats, proven = await call_with_challenge(worker.stub.GetStats, worker_pb2.StatsRequest(),
-                                                      self._grpc_key, max(2.0, 2 * self.health_interval_s))
+            stats, proven = await call_with_challenge(worker.stub.GetStats, worker_pb2.StatsRequest(), self._grpc_key,
+                                                      worker.address, max(2.0, 2 * self.health_interval_s))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.healthy:
                 worker.slow_polls += 1
@@ -194,7 +194,7 @@ class WorkerPool:
         worker.slow_polls = 0
         worker.answered_at = asyncio.get_running_loop().time()
         if not proven:
-            self.mark_failed(worker, "did not prove it holds the cluster secret")
+            self.mark_failed(worker, f"did not prove it holds the cluster secret and answers to {worker.address}")
             return
         if stats.role != worker.role:
             self.mark_failed(worker, f"is a {stats.role} worker, configured as {worker.role}")

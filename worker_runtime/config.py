@@ -23,6 +23,9 @@ class WorkerConfig:
     """gRPC port; 0 picks a free one."""
     advertise_host: str | None = None
     """Host others should dial (default: host, or this machine's address when host is 0.0.0.0)."""
+    auth_names: tuple[str, ...] = ()
+    """Other hosts routers may dial this worker by (e.g. a Service DNS name): with a cluster secret it
+    accepts tokens addressed to NAME:PORT for these too, besides its advertised and bound address."""
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     lease_s: float = 30.0
     """Prefill: how long a prompt's blocks wait for a decode worker to pull them."""
@@ -69,5 +72,7 @@ class WorkerConfig:
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.redis_password_file is not None and not os.access(self.redis_password_file, os.R_OK):
             raise ValueError(f"redis_password_file: cannot read {self.redis_password_file!r}")
+        if any(not name or ":" in name or "/" in name for name in self.auth_names):
+            raise ValueError(f"auth_names must be host names without a port, got {self.auth_names!r}")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0")

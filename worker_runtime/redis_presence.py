@@ -16,7 +16,7 @@ import logging
 from redis.exceptions import RedisError
 
 from pdserve import redis_client, redis_keys
-from pdserve.cluster_auth import events
+from pdserve.cluster_auth import events, registrations
 from worker_runtime.kv_event_log import KvEventLog
 
 logger = logging.getLogger(__name__)
@@ -25,10 +25,13 @@ STREAM_MAXLEN = 100_000
 
 class RedisPresence:
     def __init__(self, url: str, address: str, role: str, log: KvEventLog, ttl_s: float,
-                 password_file: str | None = None, events_key: bytes | None = None) -> None:
+                 password_file: str | None = None, events_key: bytes | None = None,
+                 registry_key: bytes | None = None) -> None:
         self.address = address
         self.events_key = events_key
         """Signs each batch (routers with the cluster secret ignore unsigned ones); None: unsigned."""
+        self.registry_key = registry_key
+        """Signs the registration (routers with the cluster secret ignore unsigned ones); None: unsigned."""
         self.role = role
         self.log = log
         self.ttl_s = ttl_s
@@ -56,8 +59,11 @@ class RedisPresence:
     async def _register(self) -> None:
         key = redis_keys.worker_key(self.address)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"role": self.role, "address": self.address, "epoch": self.log.epoch,
-                                    "events": redis_keys.kv_events_key(self.address, self.log.epoch)})
+            fields = {"role": self.role, "address": self.address, "epoch": self.log.epoch,
+                      "events": redis_keys.kv_events_key(self.address, self.log.epoch)}
+            if self.registry_key is not None:
+                fields[registrations.SIGNATURE_FIELD] = registrations.sign(self.registry_key, fields)
+            pipe.hset(key, mapping=fields)
             pipe.pexpire(key, int(self.ttl_s * 1000))
             await pipe.execute()
 

@@ -21,9 +21,15 @@ from engine.llm_engine import LLMEngine
 from kv_transfer import KVLayout, make_receiver, make_sender
 from kv_transfer.sharded import ShardedKV
 from kv_transfer.tls import KVTLSFiles
-from pdserve.cluster_auth.grpc_auth import server_interceptors
-from pdserve.cluster_auth.secret import warn_if_exposed
-from pdserve.grpc_common import MAX_MESSAGE_BYTES, add_health_and_reflection, run_until_signalled, set_serving
+from pdserve.cluster_auth.grpc_auth import ClusterAuthServerInterceptor
+from pdserve.cluster_auth.secret import LOOPBACK_HOSTS, warn_if_exposed
+from pdserve.grpc_common import (
+    MAX_MESSAGE_BYTES,
+    WORKER_MAX_REQUEST_BYTES,
+    add_health_and_reflection,
+    run_until_signalled,
+    set_serving,
+)
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
@@ -79,9 +85,10 @@ class WorkerServer:
             self._loop_thread = DecodeLoop(self.engine, aio, self._transfer_side, config.pull_timeout_s)
         kv_events = self._loop_thread.kv_events = KvEventLog(self.engine, aio)
         self._loop_thread.start()
-        self._server = grpc.aio.server(interceptors=server_interceptors(keys.grpc if keys else None),
+        auth = ClusterAuthServerInterceptor(keys.grpc) if keys else None
+        self._server = grpc.aio.server(interceptors=[auth] if auth else None,
                                        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                                                ("grpc.max_receive_message_length", WORKER_MAX_REQUEST_BYTES)])
         if config.tls.enabled:
             port = self._server.add_secure_port(f"{config.host}:{config.port}", config.tls.server_credentials())
         else:
@@ -89,11 +96,12 @@ class WorkerServer:
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = kv_events.worker = f"{_advertised_host(config)}:{port}"
+        if auth is not None:
+            auth.audiences = worker_names(self.address, config, port)
         self._servicer = WorkerServicer(config, self._loop_thread, self.address,
                                         getattr(self._transfer_side, "backend_name", ""))
         self._servicer.handle_key = keys.handle if keys else None
         self._servicer.kv_block_bytes = layout.block_nbytes
-        self._servicer.grpc_key = keys.grpc if keys else None
         worker_pb2_grpc.add_WorkerServicer_to_server(self._servicer, self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
         if config.metrics_port is not None:
@@ -107,7 +115,7 @@ class WorkerServer:
             from worker_runtime.redis_presence import RedisPresence
             self._presence = RedisPresence(config.redis_url, self.address, config.role, kv_events,
                                            config.registry_ttl_s, config.redis_password_file,
-                                           keys.events if keys else None)
+                                           keys.events if keys else None, keys.registry if keys else None)
             await self._presence.start()
         logger.info("%s worker serving at %s (kv_transfer %s, metrics port %s)", config.role, self.address,
                     self._servicer.backend, self.metrics_port)
@@ -164,6 +172,16 @@ def _advertised_host(config: WorkerConfig) -> str:
     if config.host in ("0.0.0.0", "::"):
         return config.kv_transfer.public_host
     return config.host
+
+
+def worker_names(address: str, config: WorkerConfig, port: int) -> tuple[str, ...]:
+    """The ``host:port`` names a router may dial this worker by, which its cluster tokens must name:
+    the advertised address, the bound one, the loopback aliases of a loopback one, and `auth_names`."""
+    hosts = [address.rsplit(":", 1)[0], config.host, *config.auth_names]
+    if any(h in LOOPBACK_HOSTS for h in hosts):
+        hosts += LOOPBACK_HOSTS
+    names = (f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts if h not in ("0.0.0.0", "::"))
+    return tuple(dict.fromkeys([address, *names]))
 
 
 def run_worker(config: WorkerConfig) -> int:

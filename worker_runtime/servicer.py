@@ -13,7 +13,6 @@ import grpc
 from decode_worker.decode_loop import DecodeLoop, KVSource
 from engine.sampling_params import InvalidParameter
 from pdserve.cluster_auth import handles
-from pdserve.cluster_auth.grpc_auth import answer_challenge
 from pdserve.protocol import (
     FINISH_REASONS,
     chunk_from_delta,
@@ -37,8 +36,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Bytes of one block on the wire (kv_transfer's layout)."""
         self.draining = False
         self.in_flight = 0
-        self.grpc_key: bytes | None = None
-        """The cluster's token key: GetStats answers a router's challenge with a proof made with it."""
         self.handle_key: bytes | None = None
         """Decode: the cluster's handle key; with it, only router-signed KV handles are accepted."""
 
@@ -129,7 +126,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return generate_pb2.AbortResponse(found=bool(found))
 
     async def GetStats(self, request, context):
-        await answer_challenge(context, self.grpc_key)  # the router checks we hold the cluster secret
         stats = dict(self.loop.stats)
         fields = set(worker_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
         return worker_pb2.WorkerStats(role=self.config.role, kv_transfer_backend=self.backend, draining=self.draining,

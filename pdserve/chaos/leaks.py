@@ -16,7 +16,8 @@ def worker_stats(address: str, secret_file: str | None = None, timeout: float = 
         from pdserve.cluster_auth import ClusterAuthConfig, tokens
         from pdserve.cluster_auth.grpc_auth import METADATA_KEY
         key = ClusterAuthConfig(secret_file).load().grpc
-        metadata = [(METADATA_KEY, tokens.mint(key, "/pdserve.v1.Worker/GetStats"))]
+        token = tokens.mint(key, "/pdserve.v1.Worker/GetStats", address, worker_pb2.StatsRequest().SerializeToString())
+        metadata = [(METADATA_KEY, token)]
     with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.StatsRequest(), timeout=timeout,
                                                              metadata=metadata)

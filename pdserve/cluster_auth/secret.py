@@ -36,13 +36,16 @@ class ClusterKeys:
     """HMAC key of the router's KV handle signatures."""
     events: bytes = field(repr=False)
     """HMAC key of the KV event batches a worker writes to Redis."""
+    registry: bytes = field(repr=False)
+    """HMAC key of the registrations a worker writes to Redis."""
 
     @classmethod
     def from_secret(cls, secret: bytes) -> ClusterKeys:
         if len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"the cluster secret must have at least {MIN_SECRET_BYTES} bytes")
         return cls(kv=_derive(secret, "kv-handshake"), grpc=_derive(secret, "grpc-token"),
-                   handle=_derive(secret, "kv-handle"), events=_derive(secret, "kv-events"))
+                   handle=_derive(secret, "kv-handle"), events=_derive(secret, "kv-events"),
+                   registry=_derive(secret, "worker-registry"))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from kv_transfer import auth as kv_auth
-from pdserve.cluster_auth import ClusterAuthConfig, ClusterKeys, handles, tokens, write_secret_file
+from pdserve.cluster_auth import ClusterAuthConfig, ClusterKeys, handles, registrations, tokens, write_secret_file
 from pdserve.cluster_auth.secret import ENV_FILE, ENV_VALUE, secret_file_for_cluster
 from pdserve.protocol import worker_pb2
 
@@ -24,7 +24,7 @@ def test_secret_file_is_private_random_and_loads(tmp_path, monkeypatch):
     assert open(a).read() != open(b).read() and len(open(a).read()) == 64
     keys = ClusterAuthConfig(a).load()
     assert keys == ClusterKeys.from_secret(open(a, "rb").read())
-    assert len({keys.kv, keys.grpc, keys.handle}) == 3, "one key per purpose"
+    assert len({keys.kv, keys.grpc, keys.handle, keys.events, keys.registry}) == 5, "one key per purpose"
     assert "kv=" not in repr(keys) and open(a).read() not in repr(keys)
     assert ClusterAuthConfig().load() is None  # nothing configured: unauthenticated
 
@@ -44,36 +44,63 @@ def test_secret_from_env_and_validation(tmp_path, monkeypatch):
         ClusterKeys.from_secret(b"short")
 
 
+AUD = "10.0.0.7:7001"
+BODY = b"\n\x03abc"
+
+
 def test_grpc_tokens():
     method = "/pdserve.v1.Worker/Prefill"
-    token = tokens.mint(KEYS.grpc, method, now=1000)
-    assert tokens.check(KEYS.grpc, method, token, now=1000)
-    assert tokens.check(KEYS.grpc, method, token, now=1000 + tokens.MAX_SKEW_S)
-    assert not tokens.check(KEYS.grpc, method, token, now=1000 + tokens.MAX_SKEW_S + 1)  # too old
-    assert not tokens.check(KEYS.grpc, "/pdserve.v1.Worker/Decode", token, now=1000)  # other method
-    assert not tokens.check(OTHER.grpc, method, token, now=1000)  # other secret
+    token = tokens.mint(KEYS.grpc, method, AUD, BODY, now=1000)
+    claim = tokens.check(KEYS.grpc, method, [AUD], token, now=1000)
+    assert claim and claim.audience == AUD and claim.body_digest == tokens.body_digest(BODY)
+    assert claim.body_digest != tokens.body_digest(BODY + b"x")  # the body is the caller's to compare
+    assert tokens.check(KEYS.grpc, method, ["127.0.0.1:1", AUD], token, now=1000).audience == AUD
+    assert tokens.check(KEYS.grpc, method, [AUD], token, now=1000 + tokens.MAX_SKEW_S)
+    assert not tokens.check(KEYS.grpc, method, [AUD], token, now=1000 + tokens.MAX_SKEW_S + 1)  # too old
+    assert not tokens.check(KEYS.grpc, "/pdserve.v1.Worker/Decode", [AUD], token, now=1000)  # other method
+    assert not tokens.check(KEYS.grpc, method, ["10.0.0.7:7002", "10.0.0.8:7001"], token, now=1000)  # other worker
+    assert not tokens.check(OTHER.grpc, method, [AUD], token, now=1000)  # other secret
+    parts = token.split(".")
+    other_body = ".".join([*parts[:3], tokens.body_digest(b"other"), parts[4]])
+    assert not tokens.check(KEYS.grpc, method, [AUD], other_body, now=1000)  # the digest is under the MAC
     forged = token[:-1] + ("0" if token[-1] != "0" else "1")
-    assert not tokens.check(KEYS.grpc, method, forged, now=1000)
-    for junk in (None, "", "v1", "v1.x.y.z", "v2" + token[2:], 5, "v1." + "9" * 400):
-        assert not tokens.check(KEYS.grpc, method, junk, now=1000)
-    assert tokens.mint(KEYS.grpc, method, now=1000) != token  # fresh nonce per call
+    assert not tokens.check(KEYS.grpc, method, [AUD], forged, now=1000)
+    non_hex = token.replace(parts[3], "g" * 64)
+    for junk in (None, "", "v2", "v2.x.y.z.w", "v1" + token[2:], 5, "v2." + "9" * 400, non_hex):
+        assert not tokens.check(KEYS.grpc, method, [AUD], junk, now=1000)
+    assert tokens.mint(KEYS.grpc, method, AUD, BODY, now=1000) != token  # fresh nonce per call
 
 
 def test_a_token_is_accepted_once():
     method = "/pdserve.v1.Worker/Prefill"
+
+    def claim(now: float) -> tokens.Claim:
+        return tokens.check(KEYS.grpc, method, [AUD], tokens.mint(KEYS.grpc, method, AUD, BODY, now=now), now=now)
+
     guard = tokens.ReplayGuard()
-    first, second = tokens.mint(KEYS.grpc, method, now=1000), tokens.mint(KEYS.grpc, method, now=1000)
+    first, second = claim(1000), claim(1000)
     assert guard.first_use(first, now=1000) and guard.first_use(second, now=1000)
     assert not guard.first_use(first, now=1030)  # a replay within the window
     assert guard.num_replays == 1 and len(guard) == 2
-    later = tokens.mint(KEYS.grpc, method, now=1200)
-    assert guard.first_use(later, now=1200)
+    assert guard.first_use(claim(1200), now=1200)
     assert len(guard) == 1  # the expired nonces are forgotten (their tokens no longer check anyway)
     small = tokens.ReplayGuard(max_entries=3)
-    minted = [tokens.mint(KEYS.grpc, method, now=1000) for _ in range(5)]
-    assert all(small.first_use(t, now=1000) for t in minted)
+    minted = [claim(1000) for _ in range(5)]
+    assert all(small.first_use(c, now=1000) for c in minted)
     assert len(small) <= 3  # bounded: the oldest are forgotten early
     assert not small.first_use(minted[-1], now=1000)
+
+
+def test_worker_registrations_are_signed():
+    fields = {"role": "decode", "address": AUD, "epoch": 17, "events": "pdserve:kv_events:x:17"}
+    stored = {k: str(v).encode() for k, v in fields.items()}  # as Redis hands them back
+    stored[registrations.SIGNATURE_FIELD] = registrations.sign(KEYS.registry, fields).encode()
+    assert registrations.verify(KEYS.registry, stored)
+    assert not registrations.verify(OTHER.registry, stored)
+    for name in fields:
+        assert not registrations.verify(KEYS.registry, {**stored, name: b"10.6.6.6:7001"}), name
+    assert not registrations.verify(KEYS.registry, {k: v for k, v in stored.items() if k != "signature"})
+    assert not registrations.verify(KEYS.registry, {**stored, "signature": b"\xff"})
 
 
 def _handle(**changes) -> worker_pb2.KVHandle:
@@ -130,11 +157,12 @@ def test_binding_beyond_loopback_without_a_secret_warns(caplog):
 
 
 def test_worker_proof():
-    proof = tokens.worker_proof(KEYS.grpc, "c" * 32)
-    assert tokens.worker_proof_ok(KEYS.grpc, "c" * 32, proof)
-    assert not tokens.worker_proof_ok(KEYS.grpc, "d" * 32, proof)
-    assert not tokens.worker_proof_ok(OTHER.grpc, "c" * 32, proof)
-    assert not tokens.worker_proof_ok(KEYS.grpc, "c" * 32, None)
+    proof = tokens.worker_proof(KEYS.grpc, "c" * 32, AUD)
+    assert tokens.worker_proof_ok(KEYS.grpc, "c" * 32, AUD, proof)
+    assert not tokens.worker_proof_ok(KEYS.grpc, "d" * 32, AUD, proof)
+    assert not tokens.worker_proof_ok(KEYS.grpc, "c" * 32, "10.6.6.6:7001", proof)  # a relay's address
+    assert not tokens.worker_proof_ok(OTHER.grpc, "c" * 32, AUD, proof)
+    assert not tokens.worker_proof_ok(KEYS.grpc, "c" * 32, AUD, None)
 
 
 def test_tls_config_wants_all_three_files(tmp_path):

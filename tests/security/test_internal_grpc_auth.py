@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from pdserve.chaos.processes import stop_all
 from pdserve.cluster_auth import ClusterAuthConfig, handles, tokens, write_secret_file
 from pdserve.cluster_auth.grpc_auth import METADATA_KEY
+from pdserve.grpc_common import WORKER_MAX_REQUEST_BYTES
 from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster.harness import generation_stub, start_router, start_workers
 
@@ -41,9 +44,14 @@ def cluster(smollm2_dir, secret_file):
         stop_all(procs)
 
 
-def call(address: str, method: str, request, key: bytes | None = None, stream: bool = False):
-    """Call a Worker method, with a cluster token made from `key` (none when None)."""
-    metadata = [(METADATA_KEY, tokens.mint(key, SERVICE + method))] if key else None
+def token_for(key: bytes, method: str, address: str, request) -> str:
+    return tokens.mint(key, SERVICE + method, address, request.SerializeToString())
+
+
+def call(address: str, method: str, request, key: bytes | None = None, stream: bool = False, token: str = ""):
+    """Call a Worker method, with `token` or a cluster token made from `key` (none when neither)."""
+    token = token or (token_for(key, method, address, request) if key else "")
+    metadata = [(METADATA_KEY, token)] if token else None
     with grpc.insecure_channel(address) as channel:
         rpc = getattr(worker_pb2_grpc.WorkerStub(channel), method)
         if stream:
@@ -82,7 +90,7 @@ def test_a_stranger_is_refused_on_every_method_but_health(role, cluster):
 
 
 def test_a_token_is_bound_to_its_method(cluster, keys):
-    token = tokens.mint(keys.grpc, SERVICE + "GetStats")
+    token = token_for(keys.grpc, "GetStats", cluster["prefill"].address, worker_pb2.StatsRequest())
     with grpc.insecure_channel(cluster["prefill"].address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         assert stub.GetStats(worker_pb2.StatsRequest(), metadata=[(METADATA_KEY, token)], timeout=10).role == "prefill"
@@ -92,13 +100,92 @@ def test_a_token_is_bound_to_its_method(cluster, keys):
 
 
 def test_a_captured_token_cannot_be_replayed(cluster, keys):
-    token = tokens.mint(keys.grpc, SERVICE + "GetStats")
+    token = token_for(keys.grpc, "GetStats", cluster["decode"].address, worker_pb2.StatsRequest())
     with grpc.insecure_channel(cluster["decode"].address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         assert stub.GetStats(worker_pb2.StatsRequest(), metadata=[(METADATA_KEY, token)], timeout=10).role == "decode"
         with pytest.raises(grpc.RpcError) as info:  # the same token again, as an eavesdropper would send it
             stub.GetStats(worker_pb2.StatsRequest(), metadata=[(METADATA_KEY, token)], timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_token_is_bound_to_its_worker_and_body(cluster, keys):
+    """A token seen on the way to one worker opens no other worker and carries no other request."""
+    prefill, decode = cluster["prefill"].address, cluster["decode"].address
+    request = worker_pb2.PrefillRequest(request_id="aud-1", prompt_token_ids=PROMPT, params=params(max_tokens=1),
+                                        cache_salt="tenant-a")
+    probe = worker_pb2.PrefillRequest(request_id="aud-2", prompt_token_ids=PROMPT, params=params(max_tokens=1),
+                                      cache_salt="tenant-b")  # what an attacker would rather send
+    sniffed = token_for(keys.grpc, "Prefill", prefill, request)
+    assert call(prefill, "Prefill", request, token=sniffed).finished  # the router's own call (1 token)
+    for name, address, body, token in [
+            ("another worker", decode, request, sniffed),
+            ("another worker, fresh", decode, request, token_for(keys.grpc, "Prefill", prefill, request)),
+            ("another body", prefill, probe, token_for(keys.grpc, "Prefill", prefill, request))]:
+        with pytest.raises(grpc.RpcError) as info:
+            call(address, "Prefill", body, token=token)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+    with pytest.raises(grpc.RpcError) as info:  # control: a token for the decode worker passes its check
+        call(decode, "Prefill", probe, keys.grpc)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # ...and meets the role check
+    decode_probe = worker_pb2.DecodeRequest(request_id="aud-3", prompt_token_ids=PROMPT, cache_salt="tenant-b",
+                                            params=params(max_tokens=1))
+    assert call(decode, "Decode", decode_probe, keys.grpc, stream=True)[-1].HasField("complete")
+    wait_until_idle([prefill, decode], keys.grpc)
+
+
+def wait_until_idle(addresses: list[str], key: bytes, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    for address in addresses:
+        while True:
+            stats = call(address, "GetStats", worker_pb2.StatsRequest(), key)
+            if (stats.kv_blocks_used, stats.num_requests, stats.num_leases) == (0, 0, 0):
+                break
+            assert time.monotonic() < deadline, (address, stats)
+            time.sleep(0.1)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def big_call(address: str, nbytes: int, token: str = "") -> grpc.RpcError:
+    """A Prefill call whose body is `nbytes` long (one huge request id), refused; returns the error."""
+    body = b"\x0a" + _varint(nbytes) + b"x" * nbytes
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as channel:
+        rpc = channel.unary_unary(SERVICE + "Prefill", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            rpc(body, metadata=[(METADATA_KEY, token)] if token else None, timeout=60)
+    return info.value
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+@pytest.mark.parametrize("nbytes", [60 << 20, 12 << 20])
+def test_a_large_unauthenticated_call_is_refused_unread(cluster, keys, nbytes):
+    """Four unauthenticated calls of 60 MiB (over the workers' request limit) or 12 MiB (under it) are
+    refused before their bodies are buffered: the worker's RSS grows by less than 16 MiB."""
+    worker = cluster["decode"]
+    wrong = tokens.mint(b"y" * 32, SERVICE + "Prefill", worker.address, b"")
+    big_call(worker.address, 1 << 20)  # warm the paths a refusal takes
+    before = rss_bytes(worker.popen.pid)
+    with ThreadPoolExecutor(4) as pool:
+        errors = list(pool.map(lambda token: big_call(worker.address, nbytes, token), ["", wrong, "", wrong]))
+    grown = rss_bytes(worker.popen.pid) - before
+    expected = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert all(e.code() in expected for e in errors), errors
+    if nbytes < WORKER_MAX_REQUEST_BYTES:
+        assert all(e.code() == grpc.StatusCode.UNAUTHENTICATED for e in errors), errors
+    assert grown < 16 << 20, f"worker RSS grew {grown / 2**20:.1f} MiB"
+    assert call(worker.address, "GetStats", worker_pb2.StatsRequest(), keys.grpc).role == "decode"
 
 
 def test_the_router_with_the_secret_serves(cluster):
