@@ -57,6 +57,7 @@ class RouterServer:
         self.keys = ApiKeys(config.security.api_key_file)
         self.pipeline.handle_key = keys.handle if keys else None
         self._events_key = keys.events if keys else None
+        self._registry_key = keys.registry if keys else None
         self._redis = None
         self._feeds: KvFeeds | None = None
         self._registry = None
@@ -84,7 +85,8 @@ class RouterServer:
         await self.pool.start()
         if self._redis is not None:
             from router.registry import RedisRegistry
-            self._registry = RedisRegistry(self._redis, self.pool, config.health_interval_s, config.registry_ttl_s)
+            self._registry = RedisRegistry(self._redis, self.pool, config.health_interval_s, config.registry_ttl_s,
+                                           self._registry_key)
             await self._registry.start()
         if wait_for_workers_s and not await self.pool.wait_healthy(wait_for_workers_s):
             unreachable = [w.address for w in self.pool.workers if not w.healthy]
