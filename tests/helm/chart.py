@@ -21,11 +21,12 @@ CASES = {
     "monitoring": ["monitoring-values.yaml"],
     "security": ["security-values.yaml"],
     "internal-tls": ["internal-tls-values.yaml"],
+    "internal-tls-off": ["internal-tls-off-values.yaml"],
     "kv-tiers": ["kv-tiers-values.yaml"],
     "planner": ["planner-values.yaml"],
     "raycluster-planner": ["raycluster-planner-values.yaml"],
 }
-GENERATED_PASSWORD = re.compile(r"^(  (?:redis-password|cluster-secret): ).+$", re.MULTILINE)
+GENERATED = re.compile(r"^(  (?:redis-password|cluster-secret|ca\.crt|tls\.crt|tls\.key): ).+$", re.MULTILINE)
 
 
 def find_helm() -> str:
@@ -37,22 +38,24 @@ def find_helm() -> str:
                        "or point PDSERVE_HELM at one")
 
 
-def helm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([find_helm(), *args], capture_output=True, text=True, timeout=120)
+def helm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run helm; `env`: variables added to this process's environment."""
+    return subprocess.run([find_helm(), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env} if env else None)
 
 
 def values_args(case: str, chart: Path = CHART) -> list[str]:
     return [arg for name in CASES[case] for arg in ("-f", str(chart / "ci" / name))]
 
 
-def template(*args: str, chart: Path = CHART, raw: bool = False) -> str:
+def template(*args: str, chart: Path = CHART, raw: bool = False, env: dict[str, str] | None = None) -> str:
     """`helm template` output; raises with helm's message on failure. Unless `raw`, the bundled
-    Redis's generated password and the generated cluster secret (random at every render) read
-    GENERATED, so renders compare."""
-    done = helm("template", "pdserve", str(chart), "--namespace", "llm", "--kube-version", KUBE_VERSION, *args)
+    Redis's generated password, the generated cluster secret and the generated internal CA and
+    certificate (random at every render) read GENERATED, so renders compare."""
+    done = helm("template", "pdserve", str(chart), "--namespace", "llm", "--kube-version", KUBE_VERSION, *args, env=env)
     if done.returncode != 0:
         raise ValueError(done.stderr.strip())
-    return done.stdout if raw else GENERATED_PASSWORD.sub(r"\1R0VORVJBVEVE", done.stdout)
+    return done.stdout if raw else GENERATED.sub(r"\1R0VORVJBVEVE", done.stdout)
 
 
 def objects(rendered: str) -> list[dict]:

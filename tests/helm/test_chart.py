@@ -123,7 +123,7 @@ def test_pdserve_pods_probe_grpc_health_and_outlive_their_drain(case, rendered):
             health = {"path": "/health", "port": ports["http"], "scheme": "HTTPS"}
             assert container["startupProbe"]["httpGet"] == container["readinessProbe"]["httpGet"] == health, name
             assert container["livenessProbe"]["tcpSocket"] == {"port": port}, name
-        elif case == "internal-tls" and "router" not in name:  # workers' gRPC is mTLS-only: HTTP probes
+        elif case != "internal-tls-off" and ("prefill" in name or "decode" in name):  # mTLS-only gRPC: HTTP probes
             assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": ports["metrics"]}, name
         else:
             assert container["startupProbe"]["grpc"] == {"port": port, "service": ""}, name

@@ -1,4 +1,4 @@
-"""The chart's security settings (issue 20): TLS, API keys, network policies, pod security, internal TLS."""
+"""The chart's security settings (issues 20, 35): TLS, API keys, network policies, pod security, internal TLS."""
 from __future__ import annotations
 
 import kubernetes_validate
@@ -168,40 +168,95 @@ def container_of(objs: list[dict], name: str) -> dict:
     return deployment["spec"]["template"]["spec"]["containers"][0]
 
 
-def test_internal_tls_one_certificate_for_routers_and_workers(rendered):
-    objs = objects(rendered["internal-tls"])
-    [cert] = by_kind(objs, "Certificate")
-    assert cert["spec"]["dnsNames"] == ["pdserve-internal"]
-    assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
-    files = ["/etc/pdserve/internal-tls/tls.crt", "/etc/pdserve/internal-tls/tls.key",
-             "/etc/pdserve/internal-tls/ca.crt"]
+INTERNAL_FILES = ["/etc/pdserve/internal-tls/tls.crt", "/etc/pdserve/internal-tls/tls.key",
+                  "/etc/pdserve/internal-tls/ca.crt"]
+INTERNAL_MOUNT = {"name": "internal-tls", "mountPath": "/etc/pdserve/internal-tls", "readOnly": True}
+
+
+def flag_values(args: list[str], flags: list[str]) -> list[str]:
+    return [args[args.index(flag) + 1] for flag in flags]
+
+
+def internal_tls_secrets(objs: list[dict]) -> set[str]:
+    """Secrets the pods mount as volume internal-tls."""
+    return {v["secret"]["secretName"] for _, spec in pod_specs(objs) for v in spec.get("volumes", [])
+            if v["name"] == "internal-tls"}
+
+
+@pytest.mark.parametrize("case", ["defaults", "internal-tls"])
+def test_internal_tls_reaches_routers_and_workers(case, rendered):
+    """On by default (generated CA) and with cert-manager: one certificate, the flags, mounts and HTTP probes."""
+    objs = objects(rendered[case])
     for role in ("prefill", "decode"):
         worker = container_of(objs, f"pdserve-{role}")
-        args = worker["args"]
-        assert [args[args.index(flag) + 1] for flag in ("--tls-cert", "--tls-key", "--tls-ca")] == files
+        assert flag_values(worker["args"], ["--tls-cert", "--tls-key", "--tls-ca"]) == INTERNAL_FILES
         metrics = next(p["containerPort"] for p in worker["ports"] if p["name"] == "metrics")
         # the kubelet's gRPC probes speak no TLS: HTTP on the metrics port, readiness = takes work
         assert worker["readinessProbe"]["httpGet"] == {"path": "/ready", "port": metrics}
         assert worker["livenessProbe"]["httpGet"] == {"path": "/health", "port": metrics}
-        assert {"name": "internal-tls", "mountPath": "/etc/pdserve/internal-tls", "readOnly": True} in \
-            worker["volumeMounts"]
-    router = container_of(objs, "pdserve-router")["args"]
-    assert [router[router.index(flag) + 1] for flag in ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca",
-                                                        "--worker-tls-server-name")] == [*files, "pdserve-internal"]
-    defaults = objects(rendered["defaults"])
-    assert "--tls-cert" not in container_of(defaults, "pdserve-decode")["args"]
-    assert "grpc" in container_of(defaults, "pdserve-decode")["readinessProbe"]
-    own = objects(template("--set", "internalTLS.enabled=true", "--set", "internalTLS.existingSecret=mine"))
+        assert INTERNAL_MOUNT in worker["volumeMounts"]
+    router = container_of(objs, "pdserve-router")
+    assert flag_values(router["args"], ["--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca",
+                                        "--worker-tls-server-name"]) == [*INTERNAL_FILES, "pdserve-internal"]
+    assert INTERNAL_MOUNT in router["volumeMounts"]
+    assert internal_tls_secrets(objs) == {"pdserve-internal-tls"}
+    certificates = [c for c in by_kind(objs, "Certificate") if c["metadata"]["name"] == "pdserve-internal-tls"]
+    generated = [s for s in by_kind(objs, "Secret") if s["metadata"]["name"] == "pdserve-internal-tls"]
+    if case == "defaults":  # neither cert-manager nor a Secret of yours: the chart generates the CA
+        [secret] = generated
+        assert not certificates and secret["type"] == "kubernetes.io/tls"
+        assert sorted(secret["data"]) == ["ca.crt", "tls.crt", "tls.key"]
+        assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # survives upgrades
+    else:
+        [cert] = certificates
+        assert not generated
+        assert cert["spec"]["dnsNames"] == ["pdserve-internal"] and cert["spec"]["commonName"] == "pdserve-internal"
+        assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
+        assert cert["spec"]["issuerRef"]["name"] == "pdserve-internal-ca"
+
+
+def test_internal_tls_from_an_existing_secret():
+    own = objects(template("--set", "internalTLS.existingSecret=mine"))
     assert not by_kind(own, "Certificate")
-    volumes = by_kind(own, "Deployment")[0]["spec"]["template"]["spec"]["volumes"]
-    assert any(v.get("secret", {}).get("secretName") == "mine" for v in volumes)
+    assert "pdserve-internal-tls" not in [s["metadata"]["name"] for s in by_kind(own, "Secret")]
+    assert internal_tls_secrets(own) == {"mine"}
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--set", "internalTLS.enabled=true"], "internalTLS.certManager.issuerRef.name"),
-    (["--set", "internalTLS.enabled=true", "--set", "internalTLS.existingSecret=x", "--set", "mode=raycluster"],
-     "internalTLS needs mode: deployments"),
-])
-def test_internal_tls_refuses_what_cannot_work(args, message):
-    with pytest.raises(ValueError, match=message):
-        template(*args)
+def test_internal_tls_in_raycluster_mode_reaches_serve_and_every_ray_pod(rendered):
+    """`serve` on the head gives its router and the worker actors the files; the Ray worker pods, where the
+    actors run, mount them at the same path."""
+    objs = objects(rendered["raycluster"])
+    [ray] = by_kind(objs, "RayCluster")
+    head = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    serve = head["args"][0].split()
+    assert flag_values(serve, ["--internal-tls-cert", "--internal-tls-key", "--internal-tls-ca",
+                               "--internal-tls-server-name"]) == [*INTERNAL_FILES, "pdserve-internal"]
+    pods = {name: spec for name, spec in pod_specs(objs) if "redis" not in name}
+    assert sorted(pods) == ["Deployment/pdserve-router", "RayCluster/pdserve/decode", "RayCluster/pdserve/head",
+                            "RayCluster/pdserve/prefill"]
+    for name, spec in pods.items():
+        assert INTERNAL_MOUNT in spec["containers"][0]["volumeMounts"], name
+    assert internal_tls_secrets(objs) == {"pdserve-internal-tls"}
+    assert [s for s in by_kind(objs, "Secret") if s["metadata"]["name"] == "pdserve-internal-tls"]
+    assert "--worker-tls-server-name" in container_of(objs, "pdserve-router")["args"]
+
+
+@pytest.mark.parametrize("mode", ["deployments", "raycluster"])
+def test_internal_tls_off_still_renders_plaintext_links_with_grpc_probes(mode):
+    objs = objects(template(*values_args("internal-tls-off"), "--set", f"mode={mode}"))
+    for obj in objs:
+        if (obj["apiVersion"], obj["kind"]) not in SCHEMAS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    assert not internal_tls_secrets(objs) and not by_kind(objs, "Certificate")
+    assert "pdserve-internal-tls" not in [s["metadata"]["name"] for s in by_kind(objs, "Secret")]
+    for name, spec in pod_specs(objs):
+        container = spec["containers"][0]
+        assert not {"--tls-cert", "--worker-tls-cert"} & set(container.get("args", [])), name
+        assert "--internal-tls" not in " ".join(container.get("args", [])), name
+        if mode == "deployments" and ("prefill" in name or "decode" in name):
+            assert "grpc" in container["readinessProbe"], name
+
+
+def test_schema_bounds_the_generated_certificates_lifetime():
+    assert_schema_refuses("internalTLS.generated.validityDays=0", "at '/internalTLS/generated/validityDays'")
+    assert_schema_refuses("internalTLS.generated.validityDay=1", "additional properties 'validityDay' not allowed")

@@ -109,6 +109,12 @@ default
 {{- .Values.internalTLS.existingSecret | default (printf "%s-internal-tls" (include "pdserve.fullname" .)) -}}
 {{- end -}}
 
+{{/* "true" when the chart makes the internal CA and certificate itself (no existingSecret, no cert-manager). */}}
+{{- define "pdserve.internalTLSGenerated" -}}
+{{- $t := .Values.internalTLS -}}
+{{- if and $t.enabled (not $t.existingSecret) (not $t.certManager.issuerRef.name) -}}true{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.internalTLSVolume" -}}
 {{- if .Values.internalTLS.enabled }}
 - name: internal-tls
@@ -127,29 +133,21 @@ default
 {{- end }}
 {{- end -}}
 
-{{/* Worker flags: its gRPC port and KV links speak mutual TLS. */}}
-{{- define "pdserve.workerTLSArgs" -}}
-{{- if .Values.internalTLS.enabled }}
-- --tls-cert
-- /etc/pdserve/internal-tls/tls.crt
-- --tls-key
-- /etc/pdserve/internal-tls/tls.key
-- --tls-ca
-- /etc/pdserve/internal-tls/ca.crt
+{{/* Flags naming the mounted files: <prefix>cert, <prefix>key, <prefix>ca, and with "serverName" the name
+     checked in the peers' certificates. Workers: prefix --tls- (their gRPC port and KV links speak mutual
+     TLS); routers: --worker-tls- (they present the certificate to workers and check theirs by its name);
+     `serve` (raycluster head): --internal-tls- (its router and the worker actors it places use the files,
+     mounted on every Ray pod). Pass (dict "root" $ "prefix" P "serverName" true|false). */}}
+{{- define "pdserve.internalTLSArgs" -}}
+{{- if .root.Values.internalTLS.enabled }}
+{{- range $part := list "cert" "key" "ca" }}
+- {{ $.prefix }}{{ $part }}
+- /etc/pdserve/internal-tls/{{ get (dict "cert" "tls.crt" "key" "tls.key" "ca" "ca.crt") $part }}
 {{- end }}
-{{- end -}}
-
-{{/* Router flags: it presents the certificate to workers and checks theirs by its name. */}}
-{{- define "pdserve.routerTLSArgs" -}}
-{{- if .Values.internalTLS.enabled }}
-- --worker-tls-cert
-- /etc/pdserve/internal-tls/tls.crt
-- --worker-tls-key
-- /etc/pdserve/internal-tls/tls.key
-- --worker-tls-ca
-- /etc/pdserve/internal-tls/ca.crt
-- --worker-tls-server-name
-- {{ include "pdserve.internalName" . }}
+{{- if .serverName }}
+- {{ .prefix }}server-name
+- {{ include "pdserve.internalName" .root }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
