@@ -1,12 +1,17 @@
 """Per-request sampling parameters (defaults follow vLLM)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+"""Highest temperature: far past any useful one, and logits divided by it stay finite in float32."""
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy, set to exactly 0 (vLLM's _SAMPLING_EPS): logits divided by them overflow."""
 MAX_SEED = 2**63 - 1
 """Largest seed of any sample (seeds travel as int64; sample i of n uses seed + i)."""
 
@@ -18,7 +23,7 @@ class SamplingParams:
     n: int = 1
     """Number of samples returned for the prompt (they share its KV blocks)."""
     temperature: float = 1.0
-    """0 means greedy; otherwise logits are divided by it."""
+    """0 means greedy (so does anything below GREEDY_TEMPERATURE); otherwise logits are divided by it."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens with this much mass."""
     top_k: int = 0
@@ -46,8 +51,11 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
-        _check(self.temperature >= 0.0, "temperature", "must be >= 0")
-        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"must be a finite number in [0, {MAX_TEMPERATURE:g}]")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be >= 0 (or -1 for off)")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
@@ -81,6 +89,10 @@ class InvalidParameter(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pdserve.cluster_auth import ClusterAuthConfig
 from pdserve.cluster_auth.tls import InternalTLSConfig
 from router.front_security import FrontSecurityConfig
+from router.openai.http_limits import HttpLimits
 from router.routing_policy import POLICIES as ROUTING_POLICIES
 from router.routing_policy import RoutingWeights
 
@@ -68,6 +69,8 @@ class RouterConfig:
     before any tokenizing. Default: max_model_len * PROMPT_CHARS_PER_TOKEN."""
     max_request_bytes: int = 4 << 20
     """Largest gRPC request message and HTTP request body the router reads."""
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    """Deadlines on reading each HTTP request and the cap on connections waiting for one (slow clients)."""
     security: FrontSecurityConfig = field(default_factory=FrontSecurityConfig)
     """TLS and API keys of the public fronts (router/front_security.py)."""
     route_metadata: bool = False

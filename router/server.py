@@ -112,7 +112,7 @@ class RouterServer:
         if config.http_port is not None:
             self._http = HttpServer(create_app(self.runner, config.model, config.max_request_bytes, self.keys),
                                     config.host, config.http_port, config.security.tls_cert_file,
-                                    config.security.tls_key_file)
+                                    config.security.tls_key_file, config.http_limits)
             self.http_port = await self._http.start()
             if self._certs is not None:
                 self._cert_watch = asyncio.create_task(self._certs.watch_http(self._http.ssl_context))

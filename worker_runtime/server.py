@@ -30,6 +30,7 @@ from pdserve.grpc_common import (
     run_until_signalled,
     set_serving,
 )
+from pdserve.grpc_invalid_messages import InvalidMessages
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
@@ -86,7 +87,8 @@ class WorkerServer:
         kv_events = self._loop_thread.kv_events = KvEventLog(self.engine, aio)
         self._loop_thread.start()
         auth = ClusterAuthServerInterceptor(keys.grpc) if keys else None
-        self._server = grpc.aio.server(interceptors=[auth] if auth else None,
+        interceptors = [auth] if auth else []  # first: a stranger's call is refused before anything is read
+        self._server = grpc.aio.server(interceptors=[*interceptors, InvalidMessages()],
                                        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                                 ("grpc.max_receive_message_length", WORKER_MAX_REQUEST_BYTES)])
         if config.tls.enabled:

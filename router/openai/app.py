@@ -69,6 +69,10 @@ def create_app(runner: RequestRunner, model_name: str, max_body_bytes: int = 4 <
         return await generate(body, request, ChatCompletions(f"chatcmpl-{uuid.uuid4().hex}", model_name, token_text))
 
     async def generate(body, request: Request, api) -> Response:
+        try:
+            body.check_text()  # first: even the model-not-found error would echo an unencodable model name
+        except InvalidParameter as exc:
+            return errors.invalid(exc.field, str(exc))
         if body.model is not None and body.model != model_name:
             return errors.model_not_found(body.model)
         try:

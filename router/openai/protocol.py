@@ -50,6 +50,13 @@ class _GenerationBody(BaseModel):
     cache_salt: str | None = None
     """vLLM's extra field: prefix-cache blocks are shared only between requests with the same salt."""
 
+    def check_text(self) -> None:
+        """Raise InvalidParameter naming the first string UTF-8 cannot encode: JSON may carry a lone
+        surrogate ("\\ud800"), which protobuf, the tokenizer and a JSON response (even an error's) cannot."""
+        path = _unencodable(self.model_dump())
+        if path is not None:
+            raise InvalidParameter(path, "text that cannot be encoded as UTF-8 (a lone surrogate)")
+
     def to_generate_request(self, request_id: str) -> generate_pb2.GenerateRequest:
         """The GenerateRequest the gRPC front would receive; raises InvalidParameter (OpenAI names)."""
         for name, value in (self.model_extra or {}).items():
@@ -156,6 +163,34 @@ def _text(content: str | list[TextPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.text for part in content)
+
+
+def _unencodable(value, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first string, or dict key, in a JSON value that UTF-8
+    cannot encode; None if there is none."""
+    if isinstance(value, dict):
+        pairs = [(f"{path}.{_escaped(k)}" if path else _escaped(k), k, v) for k, v in value.items()]
+    elif isinstance(value, list):
+        pairs = [(f"{path}[{i}]", "", v) for i, v in enumerate(value)]
+    else:
+        return path if isinstance(value, str) and not _encodable(value) else None
+    for inner, key, item in pairs:
+        found = inner if not _encodable(key) else _unencodable(item, inner)
+        if found is not None:
+            return found
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def _common_param(field: str) -> str:

@@ -1,11 +1,16 @@
-"""uvicorn serving the OpenAI app as a task on the router's own asyncio loop."""
+"""uvicorn serving the OpenAI app as a task on the router's own asyncio loop, with deadlines on reading
+requests and a cap on connections waiting for one (router/openai/guarded_protocol.py)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 
 import uvicorn
+
+from router.openai.guarded_protocol import GuardedH11Protocol, PendingConnections
+from router.openai.http_limits import HttpLimits
 
 
 class _Server(uvicorn.Server):
@@ -16,13 +21,14 @@ class _Server(uvicorn.Server):
 
 class HttpServer:
     def __init__(self, app, host: str, port: int, tls_cert_file: str | None = None,
-                 tls_key_file: str | None = None) -> None:
+                 tls_key_file: str | None = None, limits: HttpLimits | None = None) -> None:
         self.app = app
         self.host = host
         self.port = port
         self.tls_cert_file = tls_cert_file
         """With tls_key_file: serve HTTPS only (uvicorn's TLS on the same socket)."""
         self.tls_key_file = tls_key_file
+        self.limits = limits or HttpLimits()
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -31,7 +37,8 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.create_server((self.host, self.port), family=family)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+        protocol = functools.partial(GuardedH11Protocol, pending=PendingConnections(self.limits))
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False, http=protocol,
                                 ssl_certfile=self.tls_cert_file, ssl_keyfile=self.tls_key_file)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
