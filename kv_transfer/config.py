@@ -29,12 +29,22 @@ class KVTransferConfig:
     default_timeout_s: float = 30.0
     """Deadline of a transfer when the caller gives none (seconds from creation)."""
     connect_timeout_s: float = 5.0
-    """Cap on connecting + handshaking with a peer. A sender closes a connection whose ``hello``
-    has not arrived whole within this time, however slowly its bytes trickle in."""
+    """Receiver: cap on connecting + handshaking with a sender (one attempt)."""
+    connect_attempts: int = 4
+    """Receiver: handshakes tried per transfer while the sender cuts one short or answers ``busy``
+    (strangers filling its port, its caps), 50 ms apart and doubling, within the transfer's deadline.
+    A refused TCP connect (no sender there) or a failed proof is not retried."""
+    pre_auth_timeout_s: float = 2.0
+    """Sender: a connection must prove it holds the key (TLS, ``auth``, ``hello``, a few ms for a real
+    peer) within this time, however slowly its bytes trickle in; else it is closed."""
+    max_pre_auth_connections: int = 64
+    """Sender: connections kept while they have not proven the key (any address). A newcomer to a full
+    pool drops the oldest connection of the address holding the most of it (see :mod:`kv_transfer.admission`)."""
     max_connections: int = 256
-    """Receiver connections a sender serves at once (one thread each); more are refused at once."""
+    """Sender: proven receiver connections served at once (one thread each); a proven peer over it is
+    refused with ``busy`` (it retries). Strangers never count here."""
     max_connections_per_peer: int = 64
-    """Connections one peer address may hold open at a sender; more are refused at once."""
+    """Sender: proven connections one peer address may hold open; more are refused with ``busy``."""
     idle_timeout_s: float = 300.0
     """A sender closes a connection that has sent nothing for this long after its handshake; a
     receiver reconnects a link it has not used for half of it rather than reuse it."""
@@ -86,11 +96,13 @@ class KVTransferConfig:
             raise ValueError("host must be non-empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        for name in ("default_timeout_s", "connect_timeout_s", "abort_wait_s", "idle_timeout_s"):
+        for name in ("default_timeout_s", "connect_timeout_s", "pre_auth_timeout_s", "abort_wait_s",
+                     "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.max_connections < 1 or self.max_connections_per_peer < 1:
-            raise ValueError("max_connections and max_connections_per_peer must be >= 1")
+        for name in ("connect_attempts", "max_pre_auth_connections", "max_connections", "max_connections_per_peer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.auth_key is not None and (not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16):
             raise ValueError("auth_key must be bytes, at least 16 of them")
         if self.tls is not None and not isinstance(self.tls, KVTLSFiles):

@@ -11,6 +11,10 @@ class IncompatiblePeerError(KVTransferError):
     """The handshake found a different protocol version or KV layout."""
 
 
+class HandshakeCutError(KVTransferError):
+    """The sender cut the handshake short or answered ``busy`` (its port crowded): worth another try."""
+
+
 class TransferRefusedError(KVTransferError):
     """The sender refused a read (unknown transfer, block not exposed, ...)."""
 

@@ -14,7 +14,9 @@ blocking I/O at once, and tells the sender to free); the next transfer on the
 link reconnects, as does a transfer on a link idle for half the sender's idle
 timeout (the sender may be about to close it). The sender proves it holds the
 cluster key before its ``hello_ok`` (and any payload over ``PRE_AUTH_MAX_BYTES``)
-is read.
+is read. A handshake the sender cuts short or answers ``busy`` (strangers crowding
+its port, its connection caps) is tried again, up to ``connect_attempts`` times with a
+doubling pause, within the transfer's deadline, before the transfer fails.
 """
 
 from __future__ import annotations
@@ -22,19 +24,20 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from . import auth
 from .cuda_ipc import MappedPool, host_identity
-from .errors import IncompatiblePeerError, TransferRefusedError
+from .errors import HandshakeCutError, IncompatiblePeerError, TransferRefusedError
 from .layout import PROTOCOL_VERSION
 from .shm_buffer import PeerBuffer, can_map_from
 from .tcp_path import pull_blocks
 from .tls import wrap_client
 from .transfer import Transfer
-from .wire import recv_msg, send_msg, shutdown_quietly, tune_socket
+from .wire import PeerClosed, recv_msg, send_msg, shutdown_quietly, tune_socket
 
 if TYPE_CHECKING:
     from .receiver import ControlReceiver
@@ -44,6 +47,12 @@ logger = logging.getLogger("pdserve.kv_transfer")
 
 #: Shared staging buffers of one sender kept mapped (its stagers in use at once, two buffers each).
 MAX_PEER_BUFFERS = 32
+#: Pause before the second handshake attempt (then doubling, at most ``MAX_RETRY_PAUSE_S``).
+FIRST_RETRY_PAUSE_S = 0.05
+MAX_RETRY_PAUSE_S = 1.0
+#: How a sender cutting an established connection during the handshake shows here (not a timeout: a
+#: sender that stopped answering is not tried again).
+_CUT = (PeerClosed, ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
 
 
 class _IpcUnusable(Exception):
@@ -168,6 +177,8 @@ class PeerLink:
                             "backend": self.mode, **shm_host,
                             "compat_hash": layout.compat_hash(), "layout": layout.to_dict()})
             hello, payload = recv_msg(sock, max_payload=self.owner.config.max_handshake_payload_bytes)
+            if hello.get("type") == "refuse" and hello.get("busy") is True:
+                raise HandshakeCutError(f"sender busy: {str(hello.get('reason'))[:200]}")
             if hello.get("type") == "refuse":
                 raise IncompatiblePeerError(f"sender refused the handshake: {hello.get('reason')}")
             if hello.get("type") != "hello_ok":
@@ -183,6 +194,9 @@ class PeerLink:
             sock.close()
             self._fall_back(t, str(e))
             return
+        except _CUT as e:
+            sock.close()
+            raise HandshakeCutError(f"the sender cut the handshake: {e!r}") from e
         except BaseException:
             sock.close()
             raise
@@ -190,6 +204,24 @@ class PeerLink:
         self.shm = self.mode == "tcp" and bool(hello.get("shm_pid")) and can_map_from(hello["shm_pid"])
         self.sock = sock
         self.last_used = time.monotonic()
+
+    def _connect_retrying(self, t: Transfer) -> None:
+        """``_connect``, tried again after a pause while the sender cuts the handshake or is busy."""
+        pause = FIRST_RETRY_PAUSE_S
+        for attempt in range(1, self.owner.config.connect_attempts + 1):
+            try:
+                self._connect(t)
+                return
+            except HandshakeCutError as e:
+                if attempt == self.owner.config.connect_attempts or t.remaining() <= pause or t.state.is_terminal:
+                    raise
+                logger.info("kv_transfer: handshake %d with %s:%s failed (%s); trying again in %.2fs",
+                            attempt, self.host, self.port, e, pause)
+            self.owner._handshake_retries += 1
+            with self._cond:
+                if self._cond.wait_for(lambda: self._closed, pause):
+                    raise HandshakeCutError("receiver closed")
+            pause = min(2 * pause, MAX_RETRY_PAUSE_S)
 
     def _authenticate(self, sock: socket.socket) -> str:
         """Step 0 of the handshake: check the sender's proof, return ours (see :mod:`kv_transfer.auth`)."""
@@ -232,8 +264,8 @@ class PeerLink:
             self.disconnect()  # the sender may be closing it as idle: start afresh
         if self.sock is None:
             try:
-                self._connect(t)
-            except (OSError, IncompatiblePeerError, ValueError) as e:
+                self._connect_retrying(t)
+            except (OSError, IncompatiblePeerError, HandshakeCutError, ValueError) as e:
                 t.fail(f"cannot connect to {self.host}:{self.port}: {e}")
                 return
         remote = t.remote_block_ids

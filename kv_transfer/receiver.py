@@ -43,6 +43,8 @@ class ControlReceiver(KVReceiver):
         self._ipc = self._make_ipc_puller()
         self._ipc_refused: set[str] = set()
         self._ipc_pulls = 0
+        #: Handshakes tried again after the sender cut one or answered busy (see ``PeerLink``).
+        self._handshake_retries = 0
         self._table = TransferTable("recv")
         self._links: dict[tuple, PeerLink] = {}
         self._closing: list[threading.Thread] = []
@@ -109,6 +111,7 @@ class ControlReceiver(KVReceiver):
             "transfers_failed": self._table.num_failed,
             "registered_regions": 0,
             "cuda_ipc_pulls": self._ipc_pulls,
+            "handshake_retries": self._handshake_retries,
             "cuda_ipc_mapped": sum(1 for link in links if link.mapped is not None),
             "shm_mapped": sum(len(link.peer_buffers) for link in links),
             **(self.staging.stats() if self.staging is not None else {}),

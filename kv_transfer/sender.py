@@ -20,9 +20,10 @@ A connection that drops fails every transfer granted on it.
 
 Nothing a connection sends is trusted: a message over its size limit (a receiver's messages carry no
 payload; a header is bounded by what a ``read`` of every block needs) drops that connection before
-anything is allocated; a ``hello`` must arrive whole within ``connect_timeout_s``; a connection silent
-for ``idle_timeout_s`` after it is closed; at most ``max_connections`` connections (``max_connections_per_peer``
-from one address) are served, more are refused at once; and the accept loop outlives any error serving one.
+anything is allocated; a proven ``hello`` must arrive whole within ``pre_auth_timeout_s``; a connection
+silent for ``idle_timeout_s`` after it is closed; connections not yet proven and proven ones are capped
+apart, so strangers can never crowd out a peer (see :mod:`kv_transfer.admission`); and the accept loop
+outlives any error serving one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import auth
+from .admission import Admission, Conn
 from .base import KVSender
 from .config import KVTransferConfig
 from .cuda_ipc import export_region, host_identity
@@ -74,11 +76,8 @@ class ControlSender(KVSender):
             self.modes = ("cuda_ipc", *type(self).modes)
         self.instance_id = uuid.uuid4().hex
         self._table = TransferTable(f"send-{self.instance_id[:6]}")
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._peer_of: dict[socket.socket, str] = {}
-        self._lock = threading.Lock()
+        self._admission = Admission(config)
         self._closed = False
-        self._num_refused = 0
         self._num_auth_failed = 0
         #: A ``read`` names at most every block once: its header needs at most this much.
         self._max_header = MAX_HEADER + self.region.num_blocks * (len(str(self.region.num_blocks)) + 1)
@@ -143,12 +142,13 @@ class ControlSender(KVSender):
         return t
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            conns = len(self._conns)
+        conns, pre_auth = self._admission.counts()
         return {
             "in_flight": len(self._table),
             "connections": conns,
-            "connections_refused": self._num_refused,
+            "pre_auth_connections": pre_auth,
+            "connections_refused": self._admission.num_refused,
+            "connections_evicted": self._admission.num_evicted,
             "auth_failed": self._num_auth_failed,
             "bytes_moved": self._table.bytes_moved,
             "transfers_done": self._table.num_done,
@@ -166,12 +166,12 @@ class ControlSender(KVSender):
         self._listener.close()
         self._accept_thread.join(timeout=2)
         self._table.close("sender closed")
-        with self._lock:
-            conns = list(self._conns.items())
-        for sock, _ in conns:
-            shutdown_quietly(sock)
-        for _, thread in conns:
-            thread.join(timeout=2)
+        conns = self._admission.live()
+        for conn in conns:
+            shutdown_quietly(conn.sock)
+        for conn in conns:
+            if conn.thread is not None and conn.thread.is_alive():
+                conn.thread.join(timeout=2)
         if self.staging is not None:
             self.staging.close()
         self._close_backend()
@@ -191,36 +191,22 @@ class ControlSender(KVSender):
                 self._admit(sock, str(addr[0]))
             except Exception:  # noqa: BLE001 - e.g. no thread can start: drop this one, keep accepting
                 logger.exception("cannot serve a receiver connection; closing it")
-                with self._lock:
-                    self._conns.pop(sock, None)
-                    self._peer_of.pop(sock, None)
                 sock.close()
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
-        """Serve a new connection on a thread of its own, or refuse it when at the cap."""
-        thread = threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
-                                  name=f"kv-send-conn-{self.port}")
-        with self._lock:
-            if self._closed:
-                sock.close()
-                return
-            full = len(self._conns) >= self.config.max_connections
-            from_peer = sum(1 for p in self._peer_of.values() if p == peer)
-            peer_full = from_peer >= self.config.max_connections_per_peer
-            if not full and not peer_full:
-                self._conns[sock] = thread
-                self._peer_of[sock] = peer
-        if full or peer_full:
-            self._num_refused += 1
-            limit = self.config.max_connections if full else self.config.max_connections_per_peer
-            logger.warning("refusing a receiver connection from %s: %d connections open (%s)", peer,
-                           len(self._conns) if full else from_peer,
-                           "max_connections" if full else "max_connections_per_peer")
-            _refuse_now(sock, f"too many connections (the sender serves {limit}"
-                              f"{'' if full else ' per peer'})")
+        """Serve a new connection on a thread of its own, in the pre-auth pool (see :mod:`admission`)."""
+        if self._closed:
+            sock.close()
             return
-        tune_socket(sock, self.config.socket_buffer_bytes)
-        _start_thread(thread)
+        conn = self._admission.admit(sock, peer)
+        conn.thread = threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                                       name=f"kv-send-conn-{self.port}")
+        try:
+            tune_socket(sock, self.config.socket_buffer_bytes)
+            _start_thread(conn.thread)
+        except BaseException:
+            self._admission.remove(conn)
+            raise
 
     def _check_hello(self, hello: dict) -> str | None:
         if hello.get("type") != "hello":
@@ -262,23 +248,29 @@ class ControlSender(KVSender):
             return None
         return hello
 
-    def _start_tls(self, sock: socket.socket) -> socket.socket:
-        """The TLS handshake (when configured); the wrapped socket takes the plain one's place."""
+    def _start_tls(self, conn: Conn, deadline: float) -> socket.socket:
+        """The TLS handshake (when configured), by ``deadline``; the wrapped socket takes the plain one's place."""
         if self._tls is None:
-            return sock
-        wrapped = wrap_server(self._tls, sock, self.config.connect_timeout_s)
-        with self._lock:
-            self._conns[wrapped] = self._conns.pop(sock)
-            self._peer_of[wrapped] = self._peer_of.pop(sock)
+            return conn.sock
+        wrapped = wrap_server(self._tls, conn.sock)
+        self._admission.replace_sock(conn, wrapped)
+        wrapped.settimeout(max(0.001, deadline - time.monotonic()))
+        wrapped.do_handshake()
         return wrapped
 
-    def _serve_conn(self, sock: socket.socket) -> None:
+    def _serve_conn(self, conn: Conn) -> None:
         granted: dict[str, Transfer] = {}
+        sock = conn.sock
         try:
-            deadline = time.monotonic() + self.config.connect_timeout_s
-            sock = self._start_tls(sock)
+            deadline = time.monotonic() + self.config.pre_auth_timeout_s
+            sock = self._start_tls(conn, deadline)
             hello = self._authenticate(sock, deadline)
             if hello is None:
+                return
+            full = self._admission.promote(conn)
+            if full:  # a proven peer: it may try again soon
+                logger.warning("refusing a receiver at %s: %s", conn.peer, full)
+                send_msg(sock, {"type": "refuse", "reason": full, "busy": True})
                 return
             problem = self._check_hello(hello)
             if problem:
@@ -323,9 +315,14 @@ class ControlSender(KVSender):
         except MessageTooLarge as e:
             logger.warning("dropping a receiver connection: %s", e)
         except ssl.SSLError as e:
-            logger.warning("refusing a receiver at %s: TLS failed (%s)", _peer_name(sock), e.reason or e)
+            if not conn.dropped:  # else: cut by us, for a newer connection
+                logger.warning("refusing a receiver at %s: TLS failed (%s)", conn.peer, e.reason or e)
         except TimeoutError:
-            logger.info("closing a receiver connection idle for %.0fs", self.config.idle_timeout_s)
+            if self._admission.is_proven(conn):
+                logger.info("closing a receiver connection idle for %.0fs", self.config.idle_timeout_s)
+            else:
+                logger.info("closing a connection from %s that did not prove the key within %.1fs", conn.peer,
+                            self.config.pre_auth_timeout_s)
         except (PeerClosed, OSError, ValueError, InterruptedError) as e:
             if granted:
                 logger.info("receiver connection lost with %d transfers granted: %s", len(granted), e)
@@ -334,11 +331,9 @@ class ControlSender(KVSender):
         finally:
             for t in granted.values():
                 t.request_stop("receiver connection lost")
-            shutdown_quietly(sock)
-            sock.close()
-            with self._lock:
-                self._conns.pop(sock, None)
-                self._peer_of.pop(sock, None)
+            self._admission.remove(conn)
+            shutdown_quietly(conn.sock)
+            conn.sock.close()
 
     def _handle_read(self, sock: socket.socket, tid: str, cap: object, blocks: list,
                      granted: dict[str, Transfer], mode: str, shm: bool = False) -> None:
@@ -378,17 +373,6 @@ class ControlSender(KVSender):
 
 def _start_thread(thread: threading.Thread) -> None:
     thread.start()
-
-
-def _refuse_now(sock: socket.socket, reason: str) -> None:
-    """Best effort: tell the peer why, without waiting on it, and close."""
-    try:
-        sock.settimeout(0.1)
-        send_msg(sock, {"type": "refuse", "reason": reason})
-    except OSError:
-        pass
-    finally:
-        sock.close()
 
 
 def _peer_name(sock: socket.socket) -> str:

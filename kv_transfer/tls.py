@@ -43,10 +43,10 @@ class KVTLSFiles:
         return ctx
 
 
-def wrap_server(ctx: ssl.SSLContext, sock: socket.socket, timeout_s: float) -> ssl.SSLSocket:
-    """Sender: the TLS handshake on an accepted connection, within ``timeout_s``."""
-    sock.settimeout(timeout_s)
-    return ctx.wrap_socket(sock, server_side=True)
+def wrap_server(ctx: ssl.SSLContext, sock: socket.socket) -> ssl.SSLSocket:
+    """Sender: TLS on an accepted connection. The handshake is left to the caller's ``do_handshake()``,
+    so the wrapper can be recorded first (and shut down from another thread while it runs)."""
+    return ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
 
 
 def wrap_client(ctx: ssl.SSLContext, sock: socket.socket) -> ssl.SSLSocket:

@@ -1,5 +1,5 @@
 """A stranger on the KV transfer port cannot exhaust the sender: sizes are checked before any
-allocation, connections are capped, a hello must arrive in time, and the accept loop survives
+allocation, proven connections are capped, a hello must arrive in time, and the accept loop survives
 errors. Raw sockets against a sender in a child process (its RSS read from /proc)."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_oversized_messages_refused_without_allocating(peers):
-    sender = peers("sender", "tcp", config={"connect_timeout_s": 30.0})
+    sender = peers("sender", "tcp", config={"pre_auth_timeout_s": 30.0})
     pid = sender.proc.pid
     before = rss_bytes(pid)
     attacks = {
@@ -107,13 +107,18 @@ def test_oversized_messages_refused_without_allocating(peers):
 
 
 def test_connection_cap(peers):
-    sender = peers("sender", "tcp", config={"max_connections": 4, "connect_timeout_s": 30.0})
+    """``max_connections`` counts proven connections: one more proven peer is refused as busy."""
+    sender = peers("sender", "tcp", config={"max_connections": 4, "pre_auth_timeout_s": 30.0})
     idle = [connect(sender) for _ in range(4)]
+    for sock in idle:
+        handshake(sock, sender)
+        assert b"hello_ok" in sock.recv(65536)
     assert wait_for(lambda: sender.call("stats")["connections"] == 4)
     with connect(sender) as extra:
+        handshake(extra, sender)
         extra.settimeout(5)
         reply = extra.recv(65536)
-        assert b"too many connections" in reply
+        assert b"too many connections" in reply and b'"busy":true' in reply
         assert closed_by_peer(extra, 5.0)
     stats = sender.call("stats")
     assert stats["connections"] == 4 and stats["connections_refused"] == 1
@@ -129,7 +134,7 @@ def test_connection_cap(peers):
 
 
 def test_connections_without_a_hello_are_closed(peers):
-    sender = peers("sender", "tcp", config={"connect_timeout_s": 1.0})
+    sender = peers("sender", "tcp", config={"pre_auth_timeout_s": 1.0})
     silent = connect(sender)
     trickle = connect(sender)
     started = time.monotonic()

@@ -201,7 +201,8 @@ def test_per_peer_connection_cap_and_idle_timeout(sides):
     for sock in socks:
         assert raw_hello(sock, KEY)["type"] == "hello_ok"
     with socket.create_connection(("127.0.0.1", sender.port), timeout=5) as extra:
-        assert b"too many connections" in everything_until_closed(extra)
+        refused = raw_hello(extra, KEY)  # the cap counts proven connections: checked after the proof
+        assert refused["type"] == "refuse" and refused["busy"] and "too many connections" in refused["reason"]
     started = time.monotonic()
     for sock in socks:  # silent after the handshake: closed at the idle timeout
         assert everything_until_closed(sock, 5.0) == b""
