@@ -15,6 +15,12 @@ MAX_MESSAGE_BYTES = 64 << 20
 WORKER_MAX_REQUEST_BYTES = 16 << 20
 """What a worker reads of one request: internal requests carry token ids (a few bytes each), so this
 holds millions of tokens; a larger one is refused before it is buffered."""
+WORKER_STREAM_WINDOW_BYTES = 1 << 20
+"""HTTP/2 window of one call to a worker, fixed (no BDP probing, which grows it to many MiB per call):
+what gRPC may buffer of a call nobody reads, e.g. one refused for its token before its body is read."""
+WORKER_SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                         ("grpc.max_receive_message_length", WORKER_MAX_REQUEST_BYTES),
+                         ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", WORKER_STREAM_WINDOW_BYTES)]
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 # Health service name that stays SERVING while the process runs, draining included: what a

@@ -24,8 +24,7 @@ from kv_transfer.tls import KVTLSFiles
 from pdserve.cluster_auth.grpc_auth import ClusterAuthServerInterceptor
 from pdserve.cluster_auth.secret import LOOPBACK_HOSTS, warn_if_exposed
 from pdserve.grpc_common import (
-    MAX_MESSAGE_BYTES,
-    WORKER_MAX_REQUEST_BYTES,
+    WORKER_SERVER_OPTIONS,
     add_health_and_reflection,
     run_until_signalled,
     set_serving,
@@ -89,8 +88,7 @@ class WorkerServer:
         auth = ClusterAuthServerInterceptor(keys.grpc) if keys else None
         interceptors = [auth] if auth else []  # first: a stranger's call is refused before anything is read
         self._server = grpc.aio.server(interceptors=[*interceptors, InvalidMessages()],
-                                       options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                                ("grpc.max_receive_message_length", WORKER_MAX_REQUEST_BYTES)])
+                                       options=WORKER_SERVER_OPTIONS)
         if config.tls.enabled:
             port = self._server.add_secure_port(f"{config.host}:{config.port}", config.tls.server_credentials())
         else:
