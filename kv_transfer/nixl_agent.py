@@ -19,6 +19,7 @@ import numpy as np
 
 from .config import KVTransferConfig
 from .errors import BackendUnavailableError
+from .nixl_devices import ucx_devices_for
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -50,7 +51,8 @@ class NixlAgent:
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         conf = nixl_agent_config(enable_prog_thread=config.nixl_progress_thread,
                                  enable_listen_thread=False, backends=list(config.nixl_backends))
-        self.agent = nixl_agent(self.name, conf)
+        with ucx_devices_for(config.host):  # UCX listens only where the KV side was bound (nixl_devices)
+            self.agent = nixl_agent(self.name, conf)
         if not self.agent.backends:
             raise BackendUnavailableError(
                 f"no NIXL backend among {config.nixl_backends} could be created "

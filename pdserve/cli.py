@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from planner.cli import add_planner_args, planner_config_from_args
+from router.openai.http_limits import add_http_limit_args
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +79,9 @@ def add_worker_args(p: argparse.ArgumentParser, standalone: bool) -> None:
         p.add_argument("--host", default="127.0.0.1", help="interface the worker's gRPC server binds to")
         p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
         p.add_argument("--advertise-host", default=None, help="host the router and peers should dial")
+        p.add_argument("--auth-name", dest="auth_names", action="append", default=[], metavar="HOST",
+                       help="another host routers may dial this worker by (e.g. a Service DNS name): cluster "
+                            "tokens addressed to HOST:PORT are accepted too (repeatable)")
     p.add_argument("--kv-transfer-backend", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--kv-transfer-host", default=None,
                    help="interface of the KV transfer listener (default: the gRPC host)")
@@ -130,14 +134,16 @@ def worker_config_from_args(args: argparse.Namespace, role: str, standalone: boo
                           port=args.kv_transfer_port, advertise_host=advertise)
     return WorkerConfig(role=role, engine=engine_config_from_args(args), host=host,
                         port=args.port if standalone else 0, advertise_host=advertise,
-                        kv_transfer=kv, lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
+                        auth_names=tuple(args.auth_names) if standalone else (), kv_transfer=kv,
+                        lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                         max_num_requests=args.max_num_requests, num_threads=args.num_threads,
                         drain_timeout_s=args.drain_timeout_s, redis_url=args.redis_url,
                         registry_ttl_s=args.registry_ttl_s, metrics_port=args.metrics_port if standalone else None,
                         redis_password_file=args.redis_password_file,
                         auth=ClusterAuthConfig(args.cluster_secret_file),
                         tls=InternalTLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if standalone
-                        else InternalTLSConfig(), kv_tls=getattr(args, "kv_tls", True))
+                        else InternalTLSConfig(args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca),
+                        kv_tls=getattr(args, "kv_tls", True))
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -193,6 +199,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     p.add_argument("--route-metadata", action="store_true",
                    help="name the workers of each sample in Generate's trailing metadata (debugging)")
+    add_http_limit_args(p)
     add_registry_args(p)
     add_cluster_secret_arg(p)
 
@@ -217,6 +224,7 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
     from pdserve.cluster_auth.tls import InternalTLSConfig
     from router.config import RouterConfig
     from router.front_security import FrontSecurityConfig
+    from router.openai.http_limits import http_limits_from_args
     from router.routing_policy import RoutingWeights
     return RouterConfig(model=args.model, host=args.host, port=args.port, prefill_workers=prefill,
                         decode_workers=decode, routing_policy=args.routing_policy,
@@ -236,6 +244,7 @@ def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode
                         drain_timeout_s=args.router_drain_timeout_s, max_n=args.max_n,
                         max_migrations=args.max_migrations, stream_timeout_s=args.stream_timeout_s,
                         max_prompt_chars=args.max_prompt_chars, max_request_bytes=args.max_request_bytes,
+                        http_limits=http_limits_from_args(args),
                         security=FrontSecurityConfig(api_key_file=args.api_key_file,
                                                      tls_cert_file=args.tls_cert_file,
                                                      tls_key_file=args.tls_key_file),
@@ -292,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--internal-tls", action="store_true",
                        help="mutual TLS on router -> worker gRPC and the KV links, with a throwaway CA made at "
                             "start (needs the openssl command; one host only)")
+    for part, what in (("cert", "PEM certificate the router and every worker present (serverAuth and clientAuth)"),
+                       ("key", "PEM private key of --internal-tls-cert"),
+                       ("ca", "PEM CA the peers' certificates chain to")):
+        serve.add_argument(f"--internal-tls-{part}", dest=f"worker_tls_{part}", default=None,
+                           help=f"{what}: mutual TLS on router -> worker gRPC and the KV links with these files, "
+                                "at the same path on every node (with --ray-address; e.g. the chart's Secret)")
+    serve.add_argument("--internal-tls-server-name", dest="worker_tls_server_name", default=None,
+                       help="name the certificate carries, checked instead of the worker addresses dialed")
     add_router_args(serve)
     add_worker_args(serve, standalone=False)
     add_planner_args(serve, in_serve=True)

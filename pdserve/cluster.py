@@ -27,8 +27,9 @@ from pdserve.cluster_auth import ClusterAuthConfig
 from pdserve.cluster_auth.dev_pki import make_cluster_pki
 from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
 from pdserve.cluster_auth.tls import InternalTLSConfig
-from pdserve.cluster_placement import NodeSlot, actor_options, free_port, free_ports, pick_nodes
+from pdserve.cluster_placement import NodeSlot, actor_options, free_port, pick_nodes, probe_node_slots
 from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, least_loaded_node, supervise
+from pdserve.ray_network import AUTH_MODE_ENV, check_ray_auth, init_private_ray, loopback_only_ray
 from pdserve.worker_actor import WORKER_START_TIMEOUT_S, WorkerProcess
 from planner.config import PlannerConfig
 from router.config import RouterConfig
@@ -37,6 +38,10 @@ from worker_runtime.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 ACTOR_MAX_RESTARTS = 3
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # serve drains on them, whatever handlers `ray.init` installs
+WORKER_STOP_DRAIN_S = 10.0  # workers' drain at stop, after the router's (which let the streams finish)
+
+
 @dataclasses.dataclass
 class ClusterConfig:
     router: RouterConfig
@@ -59,6 +64,8 @@ class ClusterConfig:
     and go (the chart's RayCluster resized by `pdserve planner`); see NodeSupervisor.follow_nodes."""
     planner: PlannerConfig | None = None
     """`--planner`: resize the pools from live TTFT/ITL (planner/), starting from num_prefill/num_decode."""
+    ray_auth_mode: str = dataclasses.field(default_factory=lambda: os.environ.get(AUTH_MODE_ENV, ""))
+    """Ray's RAY_AUTH_MODE (Ray reads it from the environment): `token` is needed to join other hosts."""
 
     def most_workers(self, role: str) -> int:
         """Workers of `role` there may be at once: the planner's max, else the count asked for (a private
@@ -76,8 +83,10 @@ class ClusterConfig:
             if size is not None and size < 1:
                 raise ValueError(f"--{role}-tensor-parallel-size must be >= 1, got {size}")
         if self.internal_tls and self.ray_address is not None:
-            raise ValueError("--internal-tls makes certificates on this machine only; with --ray-address run the "
-                             "workers with --tls-cert/--tls-key/--tls-ca files present on every node")
+            raise ValueError("--internal-tls makes certificates on this machine only; with --ray-address give "
+                             "--internal-tls-cert/--internal-tls-key/--internal-tls-ca files present on every node")
+        if self.internal_tls and (self.worker.tls.enabled or self.router.worker_tls.enabled):
+            raise ValueError("--internal-tls makes its own certificates: not with --internal-tls-cert/key/ca")
         if self.num_prefill < 0:
             raise ValueError("--prefill must be >= 0 (0: decode workers prefill themselves)")
         if self.num_decode < 1:
@@ -91,6 +100,7 @@ class ClusterConfig:
                 if not bounds.min_workers <= count <= bounds.max_workers:
                     raise ValueError(f"--{role} {count} is outside the planner's --min-{role} "
                                      f"{bounds.min_workers} .. --max-{role} {bounds.max_workers}")
+        check_ray_auth(self.ray_address, self.ray_auth_mode)
 
 
 class RayCluster:
@@ -121,32 +131,32 @@ class RayCluster:
         return self.config.ray_address is not None
 
     def start(self) -> None:
+        if not self.joined:
+            loopback_only_ray()  # before Ray is imported
         import ray
         import torch
 
         cfg = self.config
         num_workers = cfg.num_prefill + cfg.num_decode
         num_ranks = sum(cfg.most_workers(role) * cfg.tensor_parallel_size(role) for role in ("prefill", "decode"))
+        handlers = {sig: handler for sig in STOP_SIGNALS if (handler := signal.getsignal(sig)) is not None}
         if not ray.is_initialized():
             if cfg.ray_address:  # "auto": the cluster `ray start` runs on this machine
                 ray.init(address=cfg.ray_address, logging_level=logging.WARNING, log_to_driver=True)
-            else:  # a private cluster, never one a `ray start` left on this machine
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_ranks), include_dashboard=False,
-                         logging_level=logging.WARNING, log_to_driver=True)
+            else:  # a private cluster on the loopback interface, never one a `ray start` left on this machine
+                init_private_ray(num_cpus=max(os.cpu_count() or 1, num_ranks))
             self._started_ray = True
+        for sig, handler in handlers.items():  # ray.init's own SIGTERM handlers exit at once, with no drain
+            signal.signal(sig, handler)
         # Joining a cluster, the workers run on other machines: a head without a GPU still
-        # places `--device cuda` workers on GPUs, and they listen on every interface.
+        # places `--device cuda` workers on GPUs, which listen on their node's address only.
         joined = self.joined
         self._resources = resources = ray.cluster_resources()
         device = cfg.worker.engine.device  # `auto`: GPUs here, or in the cluster joined
         self.use_gpu = torch.cuda.is_available() and device != "cpu" or joined and (
             device.startswith("cuda") or device == "auto" and resources.get("GPU", 0) > 0)
         self.declared_roles = {role for role in ("prefill", "decode") if f"pdserve_{role}" in resources}
-        template = cfg.worker
-        if joined:
-            template = dataclasses.replace(template, host="0.0.0.0",
-                                           kv_transfer=dataclasses.replace(template.kv_transfer, host="0.0.0.0"))
-        self._template = template
+        self._template = cfg.worker
         self._threads = cfg.worker.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
         self._actor_cls = ray.remote(WorkerProcess)
         pending = []
@@ -180,12 +190,12 @@ class RayCluster:
             host = template.host
             worker = dataclasses.replace(worker, port=template.port or free_port(host),
                                          metrics_port=free_port(host) if with_metrics else None)
-        else:  # another node: its address as Ray knows it, ports free there, and it stays there
+        else:  # another node: bound to its address as Ray knows it, ports free there, and it stays there
             host = slot.ip
             worker = dataclasses.replace(
-                worker, port=template.port or slot.ports[0], advertise_host=slot.ip,
+                worker, host=host, port=template.port or slot.ports[0], advertise_host=host,
                 metrics_port=slot.ports[1] if with_metrics else None,
-                kv_transfer=dataclasses.replace(worker.kv_transfer, advertise_host=slot.ip))
+                kv_transfer=dataclasses.replace(worker.kv_transfer, host=host, advertise_host=host))
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(slot.node_id, soft=False)
             # other machines lack our secret file: their process env gets the secret
             options["runtime_env"] = {"env_vars": {ENV_VALUE: template.auth.read_secret().decode()}}
@@ -281,6 +291,9 @@ class RayCluster:
         with self._lock:
             self._closed = True
             actors, self.actors = self.actors, []
+        if actors:  # drained side by side, then killed (a worker that does not answer in time is killed anyway)
+            ray.wait([actor.drain.remote(WORKER_STOP_DRAIN_S) for actor in actors], num_returns=len(actors),
+                     timeout=WORKER_STOP_DRAIN_S + 15)
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -294,17 +307,6 @@ def supervisor_for(cluster: RayCluster) -> NodeSupervisor:
     """The node supervisor of a joined cluster's worker slots, with the cluster as its Ray backend."""
     return NodeSupervisor(cluster.slots, cluster, cluster.use_gpu, cluster.declared_roles,
                           cluster.config.follow_ray_nodes)
-
-
-def probe_node_slots(nodes: list[dict], timeout_s: float = 120) -> list[NodeSlot]:
-    """For each node: its address as Ray knows it and two ports picked free on the node itself."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    probe = ray.remote(num_cpus=0)(free_ports)
-    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(2)
-            for n in nodes]
-    return [NodeSlot(n["NodeID"], n["NodeManagerAddress"], tuple(ports))
-            for n, ports in zip(nodes, ray.get(refs, timeout=timeout_s), strict=True)]
 
 
 def run_serve(config: ClusterConfig) -> int:
@@ -322,7 +324,8 @@ def run_serve(config: ClusterConfig) -> int:
                                                                    pki["worker"].ca))
         router = dataclasses.replace(router, worker_tls=InternalTLSConfig(pki["router"].cert, pki["router"].key,
                                                                           pki["router"].ca))
-    config = dataclasses.replace(config, router=dataclasses.replace(router, cluster_auth=auth),
+    config = dataclasses.replace(config, internal_tls=False,  # made: from here on, the files are the config
+                                 router=dataclasses.replace(router, cluster_auth=auth),
                                  worker=dataclasses.replace(worker, auth=auth))
     cluster = RayCluster(config)
     stop = threading.Event()
@@ -330,8 +333,8 @@ def run_serve(config: ClusterConfig) -> int:
     def on_signal(signum, frame) -> None:
         stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in STOP_SIGNALS:  # RayCluster.start keeps them so across ray.init
+        signal.signal(sig, on_signal)
     try:
         cluster.start()
         if stop.is_set():
@@ -360,7 +363,7 @@ async def _serve_router(router_config: RouterConfig, stop: threading.Event, conf
         extras += f", metrics at http://{router_config.host}:{router_config.metrics_port}/metrics"
     workers = ", ".join([*(f"prefill {a}" for a in router_config.prefill_workers),
                          *(f"decode {a}" for a in router_config.decode_workers)])
-    how = "authenticated with the cluster secret" + (", mutual TLS" if config.internal_tls else "")
+    how = "authenticated with the cluster secret" + (", mutual TLS" if router_config.worker_tls.enabled else "")
     print(f"workers: {workers} (internal links {how})", flush=True)
     print(f"ready: pdserve serving at {address} ({config.num_prefill} prefill, {config.num_decode} decode"
           f"{extras})", flush=True)

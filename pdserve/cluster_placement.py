@@ -1,7 +1,8 @@
 """Where `pdserve serve` puts worker actors: Ray resources per actor, nodes per role, free ports.
 
-Pure helpers (no Ray import): the resources one worker actor asks for, which alive nodes may run a
-role, and ports chosen free on the machine that will bind them.
+The resources one worker actor asks for, which alive nodes may run a role, and ports chosen free on
+the machine that will bind them (pure helpers), plus the probe that asks each node for them through
+Ray (`probe_node_slots`, which imports Ray when called).
 """
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on every interface of the machine this runs on."""
-    socks = [socket.socket() for _ in range(count)]
+def free_ports(count: int, host: str = "0.0.0.0") -> list[int]:
+    """`count` distinct ports free on `host` (default: every interface) of the machine this runs on."""
+    socks = [socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) for _ in range(count)]
     try:
         for s in socks:
-            s.bind(("0.0.0.0", 0))
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -61,3 +62,14 @@ def pick_nodes(nodes: list[dict], role: str, count: int, use_gpu: bool) -> list[
         raise RuntimeError(f"no alive Ray node can run a {role} worker"
                            f"{' (with a GPU)' if use_gpu else ''}: {[n.get('NodeManagerAddress') for n in nodes]}")
     return [candidates[i % len(candidates)] for i in range(count)]
+
+
+def probe_node_slots(nodes: list[dict], timeout_s: float = 120) -> list[NodeSlot]:
+    """For each node: its address as Ray knows it and two ports free on that address (workers bind it)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    probe = ray.remote(num_cpus=0)(free_ports)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote(2, n["NodeManagerAddress"]) for n in nodes]
+    return [NodeSlot(n["NodeID"], n["NodeManagerAddress"], tuple(ports))
+            for n, ports in zip(nodes, ray.get(refs, timeout=timeout_s), strict=True)]

@@ -30,6 +30,10 @@ CASES = [
     (["router", "--redis-password-file", "/nonexistent/pw"], "redis_password_file: cannot read"),
     (["decode-worker", "--redis-password-file", "/nonexistent/pw"], "redis_password_file: cannot read"),
     (["loadtest", "--url", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], "tls_ca_file: cannot read"),
+    (["serve", "--internal-tls-cert", sys.executable], "TLS needs a certificate, its key and a CA file together"),
+    (["serve", "--internal-tls", *(a for part in ("cert", "key", "ca") for a in (f"--internal-tls-{part}",
+                                                                                sys.executable))],
+     "--internal-tls makes its own certificates"),
 ]
 
 

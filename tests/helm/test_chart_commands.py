@@ -2,7 +2,8 @@
 parsed by its argparse parser and validated into config objects (`pdserve.cli._prepare`),
 without starting anything. Arguments are expanded as the kubelet does ($(VAR) from the
 container's env; the downward API and Secrets get sample values; files of mounted Secrets
-get sample contents at a temporary path)."""
+get sample contents at a temporary path; a RayCluster with token authentication gets the
+RAY_AUTH_MODE KubeRay sets in its containers)."""
 from __future__ import annotations
 
 import json
@@ -19,10 +20,12 @@ SAMPLE_SECRET = "s3cret"
 SAMPLE_SECRET_FILES = {"api-keys": "sample-tenant:sk-sample-0123456789abcdef\n", "tls.crt": "PEM", "tls.key": "PEM",
                        "ca.crt": "PEM"}
 CHECK = """
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys
 from pdserve.cli import _prepare, build_parser
 results = []
-for argv in json.load(sys.stdin):
+for argv, env in json.load(sys.stdin):
+    os.environ.pop("RAY_AUTH_MODE", None)
+    os.environ.update(env)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -81,32 +84,42 @@ def with_secret_files(argv: list[str], spec: dict, container: dict, root: Path) 
     return argv
 
 
-def chart_commands(rendered: dict[str, str], root: Path) -> list[tuple[str, list[str]]]:
+def kuberay_env(objs: list[dict]) -> dict[str, str]:
+    """What KubeRay (>= 1.5.1) adds to a RayCluster's containers for `authOptions` (the token itself aside)."""
+    ray_clusters = [o for o in objs if o["kind"] == "RayCluster"]
+    token = any(o["spec"].get("authOptions", {}).get("mode") == "token" for o in ray_clusters)
+    return {"RAY_AUTH_MODE": "token"} if token else {}
+
+
+def chart_commands(rendered: dict[str, str], root: Path) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(where, argv, the env the CLI reads) of every pdserve container."""
     found = []
     for case in CASES:
-        for name, spec in pod_specs(objects(rendered[case])):
+        objs = objects(rendered[case])
+        for name, spec in pod_specs(objs):
             for container in spec.get("initContainers", []) + spec["containers"]:
                 argv = pdserve_argv(container)
                 if argv is not None:
                     where = f"{case}: {name}/{container['name']}"
-                    found.append((where, with_secret_files(argv, spec, container, root / str(len(found)))))
+                    env = kuberay_env(objs) if name.startswith("RayCluster/") else {}
+                    found.append((where, with_secret_files(argv, spec, container, root / str(len(found))), env))
     return found
 
 
 def test_chart_runs_every_role_with_the_real_cli(rendered, tmp_path):
     commands = chart_commands(rendered, tmp_path)
-    subcommands = {where.split(":")[0]: set() for where, _ in commands}
-    for where, argv in commands:
+    subcommands = {where.split(":")[0]: set() for where, _, _ in commands}
+    for where, argv, _ in commands:
         subcommands[where.split(":")[0]].add(argv[0])
     assert subcommands["defaults"] == {"router", "prefill-worker", "decode-worker"}
     assert subcommands["raycluster"] == {"router", "serve"}
-    assert all("$(" not in arg for _, argv in commands for arg in argv), "unexpanded $(VAR) in the chart's args"
+    assert all("$(" not in arg for _, argv, _ in commands for arg in argv), "unexpanded $(VAR) in the chart's args"
 
-    done = subprocess.run([sys.executable, "-c", CHECK], input=json.dumps([argv for _, argv in commands]),
+    done = subprocess.run([sys.executable, "-c", CHECK], input=json.dumps([[argv, env] for _, argv, env in commands]),
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
     refused = {where: f"pdserve {shlex.join(argv)}\n    -> {error}"
-               for (where, argv), error in zip(commands, json.loads(done.stdout), strict=True) if error}
+               for (where, argv, _), error in zip(commands, json.loads(done.stdout), strict=True) if error}
     assert not refused, "the CLI refuses the chart's commands:\n" + "\n".join(f"{w}: {e}" for w, e in refused.items())
 
 
