@@ -49,11 +49,16 @@ class ClusterAuthServerInterceptor(grpc.aio.ServerInterceptor):
         metadata = handler_call_details.invocation_metadata or ()
         token = next((v for k, v in metadata if k == METADATA_KEY), None)
         claim = tokens.check(self._key, method, self.audiences, token)
-        if claim is not None and self._seen.first_use(claim) and not handler.request_streaming:
+        if claim is None:
+            why = "no valid cluster token for this method and worker"
+        elif handler.request_streaming:
+            why = "a request stream cannot be bound to a token"
+        elif not self._seen.first_use(claim):
+            why = "a replayed cluster token"
+        else:
             challenge = next((v for k, v in metadata if k == CHALLENGE_KEY), None)
             return _bound_to_body(handler, claim, self._proof(challenge, claim.audience))
         self.num_refused += 1
-        why = "no valid cluster token for this method and worker" if claim is None else "a replayed cluster token"
         logger.warning("refused %s: %s", method, why)
         return _refusing(handler)
 

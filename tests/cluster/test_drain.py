@@ -42,16 +42,17 @@ def refused_code(call) -> grpc.StatusCode:
 class LongGeneration(threading.Thread):
     """Streams one long greedy generation; records when each token arrived."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
         self.address = address
+        self.max_tokens = max_tokens
         self.token_times: list[float] = []
         self.completion_tokens = -1
         self.error: grpc.RpcError | None = None
 
     def run(self) -> None:
         try:
-            for msg in generation_stub(self.address).Generate(long_request("long", MAX_TOKENS), timeout=300):
+            for msg in generation_stub(self.address).Generate(long_request("long", self.max_tokens), timeout=300):
                 if msg.HasField("chunk"):
                     self.token_times += [time.monotonic()] * len(msg.chunk.token_ids)
                 else:

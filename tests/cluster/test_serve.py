@@ -78,8 +78,10 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 
-def test_serve_with_internal_tls_speaks_mutual_tls_inside(tmp_path, smollm2_dir):
-    proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0", "--internal-tls",
+def serve_over_mutual_tls(tls_flags: list[str], tmp_path: Path) -> None:
+    """Run `serve` with `tls_flags`: a prompt is prefilled on one worker and decoded on the other, gRPC
+    and the KV link both under TLS, plaintext callers are refused; SIGINT stops it cleanly."""
+    proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0", *tls_flags,
                            "--metrics-port", str(free_port()), *WORKER_FLAGS])
     try:
         line = next(x for x in proc.output if x.startswith("workers:"))
@@ -87,7 +89,6 @@ def test_serve_with_internal_tls_speaks_mutual_tls_inside(tmp_path, smollm2_dir)
         prompt = ", ".join(str(i) for i in range(40))  # long enough to be prefilled by the prefill worker
         (tmp_path / "in.jsonl").write_text(json.dumps({"id": "t", "prompt": prompt, "temperature": 0,
                                                        "max_tokens": 6, "ignore_eos": True}) + "\n")
-        # prefilled on one worker and decoded on the other: gRPC and the KV link both under TLS
         done = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--url", proc.address,
                                "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
                               capture_output=True, text=True, timeout=300)
@@ -100,6 +101,10 @@ def test_serve_with_internal_tls_speaks_mutual_tls_inside(tmp_path, smollm2_dir)
     finally:
         code = proc.stop(signal.SIGINT, timeout=60)
     assert code == 0, "".join(proc.output[-30:])
+
+
+def test_serve_with_internal_tls_speaks_mutual_tls_inside(tmp_path, smollm2_dir):
+    serve_over_mutual_tls(["--internal-tls"], tmp_path)  # a throwaway CA made by serve
 
 
 def test_serve_starts_a_private_ray_cluster_beside_a_running_ray_start(tmp_path, smollm2_dir):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
 import time
 
 import grpc
@@ -15,38 +14,10 @@ import pytest
 
 from pdserve.protocol import generate_pb2
 from tests.cluster.harness import WORKER_FLAGS, Proc, generation_stub, start
-from tests.cluster.test_cluster_failures import long_request
-from tests.cluster.test_drain import health
+from tests.cluster.test_drain import LongGeneration, health
 
 MAX_TOKENS = 120
 DRAIN_TIMEOUT_S = 120.0  # far above what 120 tokens need on a loaded 2-core machine
-
-
-class Stream(threading.Thread):
-    """One greedy 120-token generation streamed from serve's router."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__(daemon=True)
-        self.address = address
-        self.tokens: list[int] = []
-        self.completion_tokens = -1
-        self.error: grpc.RpcError | None = None
-
-    def run(self) -> None:
-        try:
-            for msg in generation_stub(self.address).Generate(long_request("long", MAX_TOKENS), timeout=300):
-                if msg.HasField("chunk"):
-                    self.tokens += msg.chunk.token_ids
-                else:
-                    self.completion_tokens = msg.complete.usage.completion_tokens
-        except grpc.RpcError as exc:
-            self.error = exc
-
-    def wait_for_tokens(self, count: int) -> None:
-        deadline = time.monotonic() + 120
-        while len(self.tokens) < count:
-            assert self.is_alive() and time.monotonic() < deadline, f"generation stalled: {self.error}"
-            time.sleep(0.02)
 
 
 def readiness(proc: Proc) -> str:
@@ -84,13 +55,13 @@ def test_sigterm_drains_serve_and_leaves_no_process(smollm2_dir, extra):
                            str(DRAIN_TIMEOUT_S), *WORKER_FLAGS])
     descendants: list[psutil.Process] = []
     try:
-        stream = Stream(proc.address)
+        stream = LongGeneration(proc.address, MAX_TOKENS)
         stream.start()
         stream.wait_for_tokens(3)
         descendants = psutil.Process(proc.popen.pid).children(recursive=True)
         assert len(descendants) >= 3, descendants  # Ray's raylet and GCS plus the two worker actors at least
         proc.popen.send_signal(signal.SIGTERM)
-        tokens_at_signal = len(stream.tokens)
+        tokens_at_signal = len(stream.token_times)
 
         deadline = time.monotonic() + 30
         while readiness(proc) != "NOT_SERVING":  # the router drains (Ray's handler would exit at once)
@@ -107,7 +78,7 @@ def test_sigterm_drains_serve_and_leaves_no_process(smollm2_dir, extra):
 
         stream.join(DRAIN_TIMEOUT_S + 60)
         assert stream.error is None, f"the in-flight stream failed: {stream.error}"
-        assert stream.completion_tokens == MAX_TOKENS == len(stream.tokens) > tokens_at_signal
+        assert stream.completion_tokens == MAX_TOKENS == len(stream.token_times) > tokens_at_signal
         code = proc.wait_stopped(DRAIN_TIMEOUT_S)
         alive = wait_gone(descendants, timeout=30)
     finally:

@@ -144,13 +144,17 @@ def test_engine_float32_greedy_outputs_equal_with_and_without_fusion(smollm2_dir
 
 
 def test_engine_bfloat16_fused_within_logit_tolerance(smollm2_dir, monkeypatch):
-    """bf16: fusion changes rounding by at most one ulp here and there, which can flip a later near-tie of
-    greedy decoding; so the first token must agree, and while the sequences agree, the chosen token's
-    log-probability within 0.25 of the unfused one (logits of ~16-32 are bf16 with a 0.125-0.25 ulp)."""
-    fused, unfused = (engine_outputs(smollm2_dir, "bfloat16", f, monkeypatch, 6, 1) for f in (True, False))
+    """bf16: fusion changes rounding by at most one ulp here and there, which can flip a near-tie of greedy
+    decoding (logits of ~16-32 are bf16 with a 0.125-0.25 ulp; SmolLM2's first answer to PROMPTS[0] has
+    two tokens 0.08 apart in float32, which bf16 rounds to an exact tie on AVX-512 machines). So while
+    the sequences agree, the chosen token's log-probability is within 0.25 of the unfused one, and where
+    they part, each side's choice is within 0.25 of the other's in its top two: a near-tie, not an error."""
+    fused, unfused = (engine_outputs(smollm2_dir, "bfloat16", f, monkeypatch, 6, 2) for f in (True, False))
     for a, b in zip(fused, unfused, strict=True):
-        assert a.token_ids[0] == b.token_ids[0]
         for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
             if tok_a != tok_b:
+                for lp, other in ((lp_a, tok_b), (lp_b, tok_a)):
+                    top = {t["token_id"]: t["logprob"] for t in lp["top_logprobs"]}
+                    assert other in top and lp["logprob"] - top[other] <= 0.25, (lp_a, lp_b)
                 break
             assert abs(lp_a["logprob"] - lp_b["logprob"]) <= 0.25, (lp_a, lp_b)

@@ -5,13 +5,9 @@ chart's raycluster head flags over them."""
 from __future__ import annotations
 
 import base64
-import json
-import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -22,8 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kv_transfer.tls import KVTLSFiles
 from pdserve.cluster_auth.tls import InternalTLSConfig
-from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value, start
-from tests.cluster.test_serve import assert_plaintext_callers_refused
+from tests.cluster.test_serve import serve_over_mutual_tls
 from tests.helm.chart import CHART, by_kind, objects, template, values_args
 from tests.helm.kube_api import KubeAPI
 
@@ -144,23 +139,4 @@ def test_serve_runs_internal_links_over_mutual_tls_with_the_charts_files(tmp_pat
     tls_flags = [arg for flag, value in zip(head, head[1:], strict=False) if flag.startswith("--internal-tls")
                  for arg in (flag, value.replace(MOUNT, str(tmp_path / "internal-tls")))]
     assert len(tls_flags) == 8 and files.cert_file in tls_flags
-    proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0", *tls_flags,
-                           "--metrics-port", str(free_port()), *WORKER_FLAGS])
-    try:
-        line = next(x for x in proc.output if x.startswith("workers:"))
-        assert "mutual TLS" in line
-        prompt = ", ".join(str(i) for i in range(40))  # long enough to be prefilled by the prefill worker
-        (tmp_path / "in.jsonl").write_text(json.dumps({"id": "t", "prompt": prompt, "temperature": 0,
-                                                       "max_tokens": 6, "ignore_eos": True}) + "\n")
-        done = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--url", proc.address,
-                               "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        [out] = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-        assert out["usage"]["completion_tokens"] == 6
-        metrics = dict(re.findall(r"(prefill|decode) worker metrics at (\S+)", "".join(proc.output)))
-        assert metric_value(metrics["prefill"], "pdserve:prompt_tokens_total", role="prefill") >= 40
-        assert_plaintext_callers_refused(proc, grpc.StatusCode.UNAVAILABLE)  # refused at the TLS handshake
-    finally:
-        code = proc.stop(signal.SIGINT, timeout=60)
-    assert code == 0, "".join(proc.output[-30:])
+    serve_over_mutual_tls(tls_flags, tmp_path)

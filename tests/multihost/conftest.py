@@ -12,11 +12,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 
 import pytest
 
-from tests.multihost.netns import Hosts
+from tests.multihost.netns import Hosts, lines_until_ready
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 HEAD_PORT = 6390
@@ -58,18 +57,9 @@ class RayHosts:
                                     f"{self.head}:{HEAD_PORT}", *flags],
                                 env=dict(self.env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-        output: list[str] = []
-        ready = threading.Event()
-
-        def pump() -> None:
-            for line in proc.stdout:
-                output.append(line)
-                if line.startswith("ready:"):
-                    ready.set()
-            ready.set()
-        threading.Thread(target=pump, daemon=True).start()
         try:
-            assert ready.wait(600) and proc.poll() is None, "".join(output[-40:])
+            output = lines_until_ready(proc)
+            assert proc.poll() is None and any(line.startswith("ready:") for line in output), "".join(output[-40:])
             yield output
         finally:
             if proc.poll() is None:

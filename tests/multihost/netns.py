@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -113,3 +114,20 @@ class Hosts:
         deadline = time.monotonic() + 10
         while any(Path(f"/run/netns/{ns}").exists() for ns in self.names) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def lines_until_ready(proc: subprocess.Popen, timeout: float = 600) -> list[str]:
+    """The lines `proc` (text stdout) prints, a list that keeps filling, once it printed its `ready:`
+    line (or exited, or `timeout` passed: check the list)."""
+    output: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("ready:"):
+                ready.set()
+        ready.set()
+    threading.Thread(target=pump, daemon=True).start()
+    ready.wait(timeout)
+    return output

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import psutil
@@ -27,7 +26,7 @@ import pytest
 
 from tests.cluster.harness import WORKER_FLAGS
 from tests.multihost.conftest import PROBE
-from tests.multihost.netns import Hosts
+from tests.multihost.netns import Hosts, lines_until_ready
 
 ROUTER_PORT, HTTP_PORT, METRICS_PORT = 50051, 8000, 9400
 PROMPT = ", ".join(str(i) for i in range(60))  # ~230 tokens: prefilled remotely, its KV pulled by decode
@@ -85,18 +84,9 @@ def test_serve_on_loopback_listens_on_loopback_only(hosts, tmp_path):
                            "--host", "127.0.0.1", "--port", str(ROUTER_PORT), "--http-port", str(HTTP_PORT),
                            "--metrics-port", str(METRICS_PORT), *WORKER_FLAGS],
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            output.append(line)
-            if line.startswith("ready:"):
-                ready.set()
-        ready.set()
-    threading.Thread(target=pump, daemon=True).start()
     try:
-        assert ready.wait(600) and any(line.startswith("ready:") for line in output), "".join(output[-40:])
+        output = lines_until_ready(proc)
+        assert any(line.startswith("ready:") for line in output), "".join(output[-40:])
         # 1. a prompt whose KV moves from the prefill worker to the decode worker (UCX wires up)
         (tmp_path / "in.jsonl").write_text(json.dumps({"id": "b", "prompt": PROMPT, "temperature": 0,
                                                        "max_tokens": 4, "ignore_eos": True}) + "\n")
