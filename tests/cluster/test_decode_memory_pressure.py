@@ -17,8 +17,11 @@ PROMPTS = [f"Story {i}: once upon a time there was a little robot who wanted to 
 
 def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, smollm2_dir):
     # ~13 blocks of 16 tokens: room for about three of these requests at their full length; requests
-    # that find no blocks for their pull within 1 s recompute their prompt here instead
-    prefill, decode = start_workers(["prefill", ["decode", "--kv-cache-memory-gib", "0.009", "--pull-timeout-s", "1"]])
+    # that find no blocks for their pull within 0.3 s recompute their prompt here instead (the three
+    # running take 40 steps to free theirs: longer than that even on a fast, idle AVX-512 machine, where
+    # 1 s was sometimes enough for them to finish)
+    prefill, decode = start_workers(["prefill", ["decode", "--kv-cache-memory-gib", "0.009",
+                                                 "--pull-timeout-s", "0.3"]])
     # Remote prefill even for these ~20-token prompts (by default the decode worker would prefill them itself).
     router = start_router([prefill], [decode], "--skip-prefill-tokens", "0")
     try:
