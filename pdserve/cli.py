@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+from pdserve.serve_cli import add_serve_args, cluster_config_from_args
 from planner.cli import add_planner_args, planner_config_from_args
 from router.openai.http_limits import add_http_limit_args
 
@@ -288,27 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
 
     serve = sub.add_parser("serve", help="run a local cluster: Ray-placed prefill and decode workers plus a router")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill)")
-    serve.add_argument("--decode", type=int, default=1, help="decode workers")
-    serve.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
-    for role in ("prefill", "decode"):
-        serve.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
-                           help=f"ranks of each {role} worker (default: --tensor-parallel-size); prefill and "
-                                "decode may differ, their KV moves between any two sizes")
-    serve.add_argument("--follow-ray-nodes", action="store_true",
-                       help="with --ray-address: run a worker per unit of pdserve_<role> each node declares, "
-                            "as nodes join and leave (a RayCluster resized by `pdserve planner`)")
-    serve.add_argument("--internal-tls", action="store_true",
-                       help="mutual TLS on router -> worker gRPC and the KV links, with a throwaway CA made at "
-                            "start (needs the openssl command; one host only)")
-    for part, what in (("cert", "PEM certificate the router and every worker present (serverAuth and clientAuth)"),
-                       ("key", "PEM private key of --internal-tls-cert"),
-                       ("ca", "PEM CA the peers' certificates chain to")):
-        serve.add_argument(f"--internal-tls-{part}", dest=f"worker_tls_{part}", default=None,
-                           help=f"{what}: mutual TLS on router -> worker gRPC and the KV links with these files, "
-                                "at the same path on every node (with --ray-address; e.g. the chart's Secret)")
-    serve.add_argument("--internal-tls-server-name", dest="worker_tls_server_name", default=None,
-                       help="name the certificate carries, checked instead of the worker addresses dialed")
+    add_serve_args(serve)
     add_router_args(serve)
     add_worker_args(serve, standalone=False)
     add_planner_args(serve, in_serve=True)
@@ -396,15 +377,10 @@ def _prepare(args: argparse.Namespace):
         from router.server import run_router
         config = router_config_from_args(args, _addresses(args.prefill_workers), _addresses(args.decode_workers))
         return lambda: run_router(config)
-    from pdserve.cluster import ClusterConfig, run_serve
-    config = ClusterConfig(router=router_config_from_args(args, [], []),
-                           worker=worker_config_from_args(args, "decode", standalone=False),
-                           num_prefill=args.prefill, num_decode=args.decode, ray_address=args.ray_address,
-                           log_level=args.log_level.upper(), internal_tls=args.internal_tls,
-                           prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
-                           decode_tensor_parallel_size=args.decode_tensor_parallel_size,
-                           follow_ray_nodes=args.follow_ray_nodes,
-                           planner=planner_config_from_args(args) if args.planner else None)
+    from pdserve.cluster import run_serve
+    config = cluster_config_from_args(args, router_config_from_args(args, [], []),
+                                      worker_config_from_args(args, "decode", standalone=False),
+                                      planner_config_from_args(args) if args.planner else None)
     return lambda: run_serve(config)
 
 if __name__ == "__main__":
