@@ -38,8 +38,13 @@ def tiny_qwen2_dir(tmp_path_factory, tokenizer_dir):
                          rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.15,
                          rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
     torch.manual_seed(1234)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.save_pretrained(path)
+    return save_tiny_checkpoint(Qwen2ForCausalLM(config), path, tokenizer_dir)
+
+
+def save_tiny_checkpoint(model, path, tokenizer_dir):
+    """Save a random-weight transformers model (float32) with the tokenizer files of `tokenizer_dir`."""
+    import torch
+    model.to(torch.float32).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, path / name)

@@ -1,1 +1,1 @@
-"""The Llama-family decoder, its config and weight loading."""
+"""The decoders (one module per family: engine/model/registry.py), their config and weight loading."""

@@ -7,6 +7,9 @@ rotate-half RoPE), so greedy outputs match transformers token for token.
 On CPU the elementwise half of each layer runs fused (`engine/model/fused.py`):
 residual add + RMSNorm, SiLU*up, and RoPE in place (writing K/V into the cache
 too when the attention backend lets it), with the same rounding points.
+
+Other families build on this decoder where their math is the same (engine/model/registry.py):
+`norm_qk_` is the step between the q/k projection and RoPE that Qwen3 fills in (engine/model/qwen3.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from engine.model.fused import FusedOps, load_fused_ops
 from engine.model.linear import Linear
 from engine.model.model_config import ModelConfig
 from engine.model.rotary import RotaryEmbedding
+from engine.model.weights import CheckpointWeights
 from engine.parallel.layers import vocab_parallel_embedding
 from engine.parallel.sharding import vocab_range
 from engine.parallel.tp_group import TPGroup
@@ -33,6 +37,20 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+
+
+def load_layer(weights: CheckpointWeights, i: int, config: ModelConfig) -> LayerWeights:
+    """Layer i of a Llama / Mistral / Qwen2 checkpoint: q|k|v and gate|up merged into one linear each;
+    o_proj's bias where the checkpoint has one (`attention_bias` in Llama and Qwen3, not Qwen2)."""
+    attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    return LayerWeights(
+        input_norm=weights.take(f"model.layers.{i}.input_layernorm.weight"),
+        qkv=weights.linear([attn + f"{n}_proj" for n in "qkv"], bias=config.qkv_bias),
+        o_proj=weights.linear([attn + "o_proj"], bias=attn + "o_proj.bias" in weights, row_parallel=True),
+        post_norm=weights.take(f"model.layers.{i}.post_attention_layernorm.weight"),
+        gate_up=weights.linear([mlp + "gate_proj", mlp + "up_proj"]),
+        down=weights.linear([mlp + "down_proj"], row_parallel=True),
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,6 +89,9 @@ class LlamaModel:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    def norm_qk_(self, qk: torch.Tensor, layer: LayerWeights) -> None:
+        """Prepare the q and k heads [T, Hq + Hkv, D] in place before RoPE: nothing for Llama."""
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return F.embedding(input_ids, self.embed)
@@ -93,7 +114,9 @@ class LlamaModel:
             h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
             qkv = w.qkv(h)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            qk = self.rotary.apply(qk.view(num_tokens, -1, cfg.head_dim), cos, sin)
+            qk = qk.view(num_tokens, -1, cfg.head_dim)
+            self.norm_qk_(qk, w)
+            qk = self.rotary.apply(qk, cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.kv_scales[i])
@@ -121,6 +144,7 @@ class LlamaModel:
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         for i, w in enumerate(self.layers):
             qkv = w.qkv(h)
+            self.norm_qk_(qkv[:, :k_end].view(num_tokens, -1, cfg.head_dim), w)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
             if write_kv:
                 ops.rope_(qkv, positions, self.rotary.cos, self.rotary.sin, cfg.num_heads, cfg.num_kv_heads,
@@ -139,3 +163,7 @@ class LlamaModel:
                 residual += down
         h = ops.rms_norm(residual[logits_indices], self.final_norm, eps)
         return self.lm_head(h)
+
+
+Model = LlamaModel
+"""The decoder class engine/model/registry.py builds for this family."""

@@ -1,4 +1,4 @@
-"""Load a Hugging Face safetensors checkpoint into the Llama-family decoder."""
+"""Load a Hugging Face safetensors checkpoint into the decoder of its family (engine/model/registry.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,15 +8,18 @@ from safetensors import safe_open
 
 from engine.attention import make_backend
 from engine.model.linear import Linear
-from engine.model.llama import LayerWeights, LlamaModel
+from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
-from engine.model.quantization import FP8_DTYPE, QUANTIZERS, checkpoint_scales
-from engine.model.quantized_linear import QUANTIZED_LINEARS
-from engine.parallel.layers import RowParallelLinear, VocabParallelHead
-from engine.parallel.sharding import shard_cols, shard_config, shard_rows, shard_vocab
+from engine.model.registry import family_module
+from engine.model.weights import CheckpointWeights
+from engine.parallel.layers import VocabParallelHead
+from engine.parallel.sharding import shard_config, shard_vocab
 from engine.parallel.tp_group import TPGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LEFT_ON_PURPOSE = ("self_attn.k_scale", "self_attn.v_scale", "rotary_emb.inv_freq", ".input_scale")
+"""Layer tensors (name suffixes) no decoder takes: an fp8 KV cache's scales (read by kv_scales.py), stale
+RoPE buffers, and fp8 static activation scales (activations are quantized with dynamic scales)."""
 
 
 def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
@@ -51,72 +54,35 @@ def resolve_quantization(requested: str | None, config: ModelConfig) -> str | No
 def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                attention_backend: str, max_positions: int, quantization: str | None = None,
                tp: TPGroup | None = None) -> LlamaModel:
-    """The decoder on `device` in `dtype`; with `quantization` (see `resolve_quantization`) the four
-    linears of each layer run on quantized weights (the embedding and LM head stay in `dtype`).
-    With `tp`, only this rank's shard of each weight (engine/parallel/sharding.py), sliced before it is
-    moved, cast or quantized; the model then computes with this rank's heads."""
-    raw = read_tensors(path)
-    quantization = resolve_quantization(quantization, config)
-    rank, world = (tp.rank, tp.world_size) if tp is not None else (0, 1)
-
-    def pop(name: str) -> torch.Tensor:
-        if name not in raw:
-            raise KeyError(f"checkpoint {path} lacks tensor {name}")
-        return raw.pop(name)
-
-    def take(name: str) -> torch.Tensor:
-        return pop(name).to(device=device, dtype=dtype).contiguous()
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return t if tp is None else shard_rows(t, rank, world)
-
-    def linear(prefixes: list[str], bias: bool = False, row_parallel: bool = False):
-        """Column-parallel (each part's row shard, merged) unless `row_parallel` (a column shard, whose
-        outputs the ranks sum)."""
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            if tp is None:
-                return t
-            return shard_cols(t, rank, world) if row_parallel else shard_rows(t, rank, world)
-
-        b = torch.cat([rows(pop(p + ".bias")) for p in prefixes]).to(device=device, dtype=dtype) if bias else None
-        if config.quantization == "fp8":  # stored in fp8: its own scales, per tensor or per channel
-            parts = [pop(p + ".weight") for p in prefixes]
-            q = torch.cat([cut(w.view(torch.uint8)) for w in parts]).view(FP8_DTYPE).to(device)
-            scales = [checkpoint_scales(pop(p + ".weight_scale"), w.shape[0])
-                      for p, w in zip(prefixes, parts, strict=True)]  # per row of the whole weight
-            scales = torch.cat([s if row_parallel else rows(s) for s in scales]).to(device)
-            return _parallel(QUANTIZED_LINEARS["fp8"](q.contiguous(), scales, b, dtype), tp, row_parallel)
-        weight = torch.cat([cut(pop(p + ".weight")) for p in prefixes]).to(device)
-        if quantization is None:
-            return _parallel(Linear(weight.to(dtype).contiguous(), b), tp, row_parallel)
-        q, scales = QUANTIZERS[quantization](weight)
-        return _parallel(QUANTIZED_LINEARS[quantization](q, scales, b, dtype), tp, row_parallel)
-
-    layers = []
-    for i in range(config.num_layers):
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        layers.append(LayerWeights(
-            input_norm=take(f"model.layers.{i}.input_layernorm.weight"),
-            qkv=linear([attn + f"{n}_proj" for n in "qkv"], bias=config.qkv_bias),
-            o_proj=linear([attn + "o_proj"], row_parallel=True),
-            post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
-            gate_up=linear([mlp + "gate_proj", mlp + "up_proj"]),
-            down=linear([mlp + "down_proj"], row_parallel=True),
-        ))
-    tied = config.tie_word_embeddings or "lm_head.weight" not in raw
-    embed = pop("model.embed_tokens.weight")
-    lm_head = embed if tied else pop("lm_head.weight")
+    """The decoder of `config.architecture`'s family (engine/model/registry.py) on `device` in `dtype`;
+    with `quantization` (see `resolve_quantization`) the linears of each layer run on quantized weights
+    (the embedding and LM head stay in `dtype`). With `tp`, only this rank's shard of each weight
+    (engine/parallel/sharding.py), sliced before it is moved, cast or quantized; the model then computes
+    with this rank's heads. A layer tensor the family did not take is an error (it would be ignored)."""
+    family = family_module(config.architecture)
+    weights = CheckpointWeights(read_tensors(path), str(path), dtype, device,
+                                resolve_quantization(quantization, config), config.quantization, tp)
+    layers = [family.load_layer(weights, i, config) for i in range(config.num_layers)]
+    tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+    embed = weights.pop("model.embed_tokens.weight")
+    lm_head = embed if tied else weights.pop("lm_head.weight")
     if tp is not None:
-        embed = shard_vocab(embed, rank, world)
-        lm_head = embed if tied else shard_vocab(lm_head, rank, world)
+        embed = shard_vocab(embed, tp.rank, tp.world_size)
+        lm_head = embed if tied else shard_vocab(lm_head, tp.rank, tp.world_size)
     embed = embed.to(device=device, dtype=dtype).contiguous()
     lm_head = embed if tied else lm_head.to(device=device, dtype=dtype).contiguous()
     head = Linear(lm_head) if tp is None else VocabParallelHead(Linear(lm_head), tp, config.vocab_size)
-    local = config if tp is None else shard_config(config, world)
+    final_norm = weights.take("model.norm.weight")
+    _check_all_taken(weights, config)
+    local = config if tp is None else shard_config(config, tp.world_size)
     attention = make_backend(attention_backend, local.num_heads, local.num_kv_heads, local.head_dim)
-    return LlamaModel(local, embed, layers, take("model.norm.weight"), head, attention, max_positions, tp)
+    return family.Model(local, embed, layers, final_norm, head, attention, max_positions, tp)
 
 
-def _parallel(linear, tp: TPGroup | None, row_parallel: bool):
-    """A row-parallel linear sums its ranks' outputs; the others are used as they are."""
-    return RowParallelLinear(linear, tp) if tp is not None and row_parallel else linear
+def _check_all_taken(weights: CheckpointWeights, config: ModelConfig) -> None:
+    """Raise ValueError if a layer tensor is left that the family's decoder would silently not apply."""
+    unused = sorted(name for name in weights.remaining
+                    if name.startswith("model.layers.") and not name.endswith(_LEFT_ON_PURPOSE))
+    if unused:
+        raise ValueError(f"{config.architecture}: the checkpoint has {len(unused)} layer tensors its decoder "
+                         f"does not use (e.g. {unused[0]}); refusing rather than computing without them")

@@ -1,4 +1,4 @@
-"""The subset of a Hugging Face config.json the Llama-family decoder needs."""
+"""The subset of a Hugging Face config.json the decoders need (engine/model/registry.py names which)."""
 from __future__ import annotations
 
 import json
@@ -6,17 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import CHECKPOINT_QUANTIZATIONS
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
+from engine.model.registry import FAMILIES, find_architecture
+from engine.model.rope_scaling import parse_rope_scaling
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
+    """The Hugging Face architecture name (a key of engine.model.registry.FAMILIES)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,29 +36,25 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        kind = SUPPORTED_ARCHITECTURES[arch]
+        arch = find_architecture(raw.get("architectures") or [])
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_theta = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope type {rope_type!r}")
+        rope_scaling = parse_rope_scaling(rope, raw)
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", kind == "mistral") else None
-        if sliding is not None:
-            raise ValueError("sliding-window attention is not supported")
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        layer_types = set(raw.get("layer_types") or ["full_attention"])
+        if sliding is not None or layer_types != {"full_attention"}:
+            raise ValueError(f"sliding-window attention is not supported (sliding_window={sliding}, "
+                             f"layer_types {sorted(layer_types)})")
         quantization = (raw.get("quantization_config") or {}).get("quant_method")
         if quantization is not None and quantization not in CHECKPOINT_QUANTIZATIONS:
             raise ValueError(f"checkpoint quantization {quantization!r} is not supported (supported: "
                              f"{', '.join(CHECKPOINT_QUANTIZATIONS)}; or quantize an unquantized checkpoint "
                              "at load with --quantization)")
         return cls(
-            architecture=kind,
+            architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -71,10 +64,10 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=rope if rope_type != "default" else None,
+            rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bool(raw.get("attention_bias", False)),
+            qkv_bias=FAMILIES[arch].qkv_bias or bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             quantization=quantization,
