@@ -73,11 +73,13 @@ class EngineLoop(threading.Thread):
             try:
                 self._run_commands()
                 self.poll()
-                if self.engine.has_unfinished():
-                    for delta in self.engine.step():
-                        self.generation_tokens_total += len(delta.token_ids)
-                        self.on_delta(delta)
-                self._snapshot()
+                deltas = self.engine.step() if self.engine.has_unfinished() else []
+                self.generation_tokens_total += sum(len(delta.token_ids) for delta in deltas)
+                self._snapshot()  # before the deltas reach callers: one told its request ended sees it gone
+                for delta in deltas:  # from num_requests (a worker at its limit takes the next one at once)
+                    self.on_delta(delta)
+                if deltas:
+                    self._snapshot()  # and with what handling them changed (a prefill's lease)
                 if self.kv_events is not None:
                     self.kv_events.flush()
             except Exception:  # keep serving: one bad step must not kill the worker silently
