@@ -5,9 +5,14 @@ import os
 import shutil
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # Triton kernels run under its interpreter on CPU. Set before anything imports triton: transformers'
+    # model modules do, and triton decides interpreted or compiled once, when it is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """Write an unquantized checkpoint as an fp8 one in the format vLLM's `fp8` method loads.
 
-Each linear of each layer (q/k/v/o, gate/up/down) becomes a float8_e4m3fn `weight` and a float32
-`weight_scale` (one per tensor, shape [], what vLLM's `fp8` reads; our loader also takes one per
-output channel); embeddings, norms and the LM head stay in the checkpoint's dtype. config.json gains
+Each linear of each layer (q/k/v/o, gate/up/down; Phi-3's fused qkv and gate_up) becomes a float8_e4m3fn
+`weight` and a float32 `weight_scale` (one per tensor, shape [], what vLLM's `fp8` reads; our loader also
+takes one per output channel); embeddings, norms and the LM head stay in the checkpoint's dtype. config.json gains
 `"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}`. The other files
 (tokenizer, generation config, chat template) are copied as they are.
 """
@@ -18,7 +18,7 @@ from engine.model.loader import read_tensors
 from engine.model.quantization import quantize_fp8
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.qkv_proj", "mlp.gate_up_proj")
 
 
 def save_fp8_checkpoint(src: Path, dst: Path) -> Path:

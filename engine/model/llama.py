@@ -9,7 +9,9 @@ residual add + RMSNorm, SiLU*up, and RoPE in place (writing K/V into the cache
 too when the attention backend lets it), with the same rounding points.
 
 Other families build on this decoder where their math is the same (engine/model/registry.py):
-`norm_qk_` is the step between the q/k projection and RoPE that Qwen3 fills in (engine/model/qwen3.py).
+`norm_qk_` is the step between the q/k projection and RoPE that Qwen3 fills in (engine/model/qwen3.py),
+`mlp` the feed-forward step that the Mixture-of-Experts families replace on their sparse layers
+(engine/model/moe_block.py), in both paths.
 """
 from __future__ import annotations
 
@@ -35,21 +37,24 @@ class LayerWeights:
     qkv: Linear
     o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None
+    """None on a Mixture-of-Experts family's sparse layer (its experts replace the dense MLP)."""
+    down: Linear | None
 
 
 def load_layer(weights: CheckpointWeights, i: int, config: ModelConfig) -> LayerWeights:
     """Layer i of a Llama / Mistral / Qwen2 checkpoint: q|k|v and gate|up merged into one linear each;
-    o_proj's bias where the checkpoint has one (`attention_bias` in Llama and Qwen3, not Qwen2)."""
+    o_proj's bias where the checkpoint has one (`attention_bias` in Llama and Qwen3, not Qwen2). No dense MLP
+    on the layers `config.moe` makes sparse (their family loads the experts)."""
     attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    dense = config.moe is None or not config.moe.is_sparse(i)
     return LayerWeights(
         input_norm=weights.take(f"model.layers.{i}.input_layernorm.weight"),
         qkv=weights.linear([attn + f"{n}_proj" for n in "qkv"], bias=config.qkv_bias),
         o_proj=weights.linear([attn + "o_proj"], bias=attn + "o_proj.bias" in weights, row_parallel=True),
         post_norm=weights.take(f"model.layers.{i}.post_attention_layernorm.weight"),
-        gate_up=weights.linear([mlp + "gate_proj", mlp + "up_proj"]),
-        down=weights.linear([mlp + "down_proj"], row_parallel=True),
+        gate_up=weights.linear([mlp + "gate_proj", mlp + "up_proj"]) if dense else None,
+        down=weights.linear([mlp + "down_proj"], row_parallel=True) if dense else None,
     )
 
 
@@ -92,6 +97,13 @@ class LlamaModel:
     def norm_qk_(self, qk: torch.Tensor, layer: LayerWeights) -> None:
         """Prepare the q and k heads [T, Hq + Hkv, D] in place before RoPE: nothing for Llama."""
 
+    def mlp(self, h: torch.Tensor, layer: LayerWeights, ops: FusedOps | None) -> torch.Tensor:
+        """The feed-forward of the post-attention-normed h: down(silu(gate) * up), SiLU*up fused with `ops`."""
+        if ops is not None:
+            return layer.down(ops.silu_and_mul(layer.gate_up(h)))
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return F.embedding(input_ids, self.embed)
@@ -122,8 +134,7 @@ class LlamaModel:
             attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.kv_scales[i])
             x = x + w.o_proj(attn.reshape(num_tokens, self.q_size))
             h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-            gate, up = w.gate_up(h).chunk(2, dim=-1)
-            x = x + w.down(F.silu(gate) * up)
+            x = x + self.mlp(h, w, None)
         h = rms_norm(x[logits_indices], self.final_norm, cfg.rms_norm_eps)
         return self.lm_head(h)
 
@@ -156,7 +167,7 @@ class LlamaModel:
             v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.kv_scales[i])
             h = ops.add_rms_norm_(w.o_proj(attn.reshape(num_tokens, self.q_size)), residual, w.post_norm, eps)
-            down = w.down(ops.silu_and_mul(w.gate_up(h)))
+            down = self.mlp(h, w, ops)
             if i + 1 < len(self.layers):
                 h = ops.add_rms_norm_(down, residual, self.layers[i + 1].input_norm, eps)
             else:

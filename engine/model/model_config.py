@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import CHECKPOINT_QUANTIZATIONS
+from engine.model.moe_config import MoeConfig, parse_moe
 from engine.model.registry import FAMILIES, find_architecture
 from engine.model.rope_scaling import parse_rope_scaling
 
@@ -32,12 +33,18 @@ class ModelConfig:
     sliding_window: int | None = None
     quantization: str | None = None
     """The checkpoint's own weight format (`quantization_config.quant_method`), None when unquantized."""
+    moe: MoeConfig | None = None
+    """The experts of a Mixture-of-Experts family (engine/model/moe_config.py); None for a dense one."""
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
         arch = find_architecture(raw.get("architectures") or [])
+        raw = {**dict(FAMILIES[arch].config_defaults), **raw}
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        alias = dict(FAMILIES[arch].rope_aliases).get(rope.get("rope_type", rope.get("type")))
+        if alias is not None:
+            rope["rope_type"] = alias
         rope_theta = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
         rope_scaling = parse_rope_scaling(rope, raw)
         num_heads = raw["num_attention_heads"]
@@ -71,4 +78,5 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             quantization=quantization,
+            moe=parse_moe(raw, FAMILIES[arch].moe, raw["num_hidden_layers"]),
         )

@@ -23,6 +23,14 @@ class Family:
     """The module defining `load_layer` and `Model`."""
     qkv_bias: bool = False
     """Whether q/k/v carry biases when config.json has no `attention_bias` (Qwen2's always do)."""
+    config_defaults: tuple[tuple[str, object], ...] = ()
+    """config.json fields a checkpoint may omit, with the defaults of the family's transformers config class
+    where they differ from the engine's (field, value)."""
+    rope_aliases: tuple[tuple[str, str], ...] = ()
+    """Legacy RoPE type names the family's transformers config class reads as another type."""
+    moe: str | None = None
+    """The family's Mixture-of-Experts checkpoint names (`engine.model.moe.read_moe_weights`'s `family`);
+    None for a dense family."""
 
 
 FAMILIES = {
@@ -30,6 +38,11 @@ FAMILIES = {
     "MistralForCausalLM": Family("engine.model.llama"),
     "Qwen2ForCausalLM": Family("engine.model.llama", qkv_bias=True),
     "Qwen3ForCausalLM": Family("engine.model.qwen3"),
+    "Qwen3MoeForCausalLM": Family("engine.model.qwen3_moe", moe="qwen3_moe"),
+    "MixtralForCausalLM": Family("engine.model.mixtral", moe="mixtral"),
+    "Phi3ForCausalLM": Family("engine.model.phi3", config_defaults=(
+        ("original_max_position_embeddings", 4096), ("max_position_embeddings", 4096), ("rms_norm_eps", 1e-5)),
+        rope_aliases=(("su", "longrope"), ("yarn", "longrope"))),
 }
 
 

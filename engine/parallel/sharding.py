@@ -8,6 +8,10 @@ As vLLM shards a Llama-family layer over N ranks:
                                   the ranks' outputs are summed (all-reduce)
   vocab-parallel   embedding,     rank r holds the contiguous vocab rows [start, end), padded with zero
                    LM head        rows to ceil(V/N) so every rank's slice has one size
+  expert-sliced    MoE w13, w2    rank r holds r/N of every expert's intermediate dimension: its gate and
+                                  up rows, its down columns (`shard_experts`); the ranks' outputs are
+                                  summed like down's (expert parallelism, whole experts per rank, is not
+                                  implemented)
 
 so every rank's attention works on num_heads/N query and num_kv_heads/N KV heads (`shard_config`).
 """
@@ -30,14 +34,19 @@ def check_tp_size(world_size: int, config: ModelConfig) -> None:
     if config.intermediate_size % world_size:
         raise ValueError(f"tensor_parallel_size {world_size} must divide the model's intermediate size "
                          f"{config.intermediate_size}")
+    if config.moe is not None and config.moe.intermediate_size % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide the experts' intermediate size "
+                         f"{config.moe.intermediate_size}")
 
 
 def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
-    """The shapes one rank computes with: its heads and its MLP slice (vocab and hidden size stay whole)."""
+    """The shapes one rank computes with: its heads and its MLP slice, its slice of every expert's (vocab,
+    hidden size and the experts stay whole)."""
     check_tp_size(world_size, config)
+    moe = config.moe and replace(config.moe, intermediate_size=config.moe.intermediate_size // world_size)
     return replace(config, num_heads=config.num_heads // world_size,
                    num_kv_heads=config.num_kv_heads // world_size,
-                   intermediate_size=config.intermediate_size // world_size)
+                   intermediate_size=config.intermediate_size // world_size, moe=moe)
 
 
 def shard_rows(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -59,6 +68,15 @@ def shard_cols(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 def shard_merged(parts: list[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
     """A merged column-parallel weight (q|k|v or gate|up): each part's row shard, concatenated."""
     return torch.cat([shard_rows(p, rank, world_size) for p in parts])
+
+
+def shard_experts(w13: torch.Tensor, w2: torch.Tensor, rank: int,
+                  world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s slice of every expert's intermediate dimension: of w13 [E, 2I, H] its gate rows and its
+    up rows (column-parallel, merged like gate_up), of w2 [E, H, I] its columns (row-parallel)."""
+    gate, up = w13.chunk(2, dim=1)  # [E, I, H] each: dim 1 is the intermediate one
+    w13 = torch.cat([shard_cols(gate, rank, world_size), shard_cols(up, rank, world_size)], dim=1)
+    return w13, shard_cols(w2.transpose(1, 2), rank, world_size).transpose(1, 2).contiguous()
 
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
