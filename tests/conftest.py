@@ -46,6 +46,18 @@ def tiny_qwen2_dir(tmp_path_factory, tokenizer_dir):
     return save_tiny_checkpoint(Qwen2ForCausalLM(config), path, tokenizer_dir)
 
 
+def perturb_norms_and_biases(model) -> None:
+    """Draw a random-weight transformers model's norm weights (ones at init) from U(0.5, 1.5) and its
+    biases (zeros at init) from N(0, 0.3), so that mixing one up or skipping it changes the tokens."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.3)
+
+
 def save_tiny_checkpoint(model, path, tokenizer_dir):
     """Save a random-weight transformers model (float32) with the tokenizer files of `tokenizer_dir`."""
     import torch

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.model.model_config import ModelConfig
-from tests.conftest import hf_greedy, save_tiny_checkpoint
+from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
 from tests.engine.test_hf_equivalence import NEW_TOKENS, assert_no_leak, run
 
 CHUNK = 32
@@ -24,10 +24,7 @@ def mistral_dir(tmp_path_factory, tokenizer_dir):
                            rms_norm_eps=1e-5, sliding_window=None, eos_token_id=2, bos_token_id=1)
     torch.manual_seed(77)
     model = MistralForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones at init: make each one count
-                p.uniform_(0.5, 1.5)
+    perturb_norms_and_biases(model)
     return save_tiny_checkpoint(model, tmp_path_factory.mktemp("tiny-mistral"), tokenizer_dir)
 
 

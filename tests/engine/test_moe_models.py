@@ -17,7 +17,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model.model_config import ModelConfig
 from engine.parallel.sharding import check_tp_size
-from tests.conftest import hf_greedy, save_tiny_checkpoint
+from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
 from tests.engine.test_tensor_parallel import generate
 
@@ -43,10 +43,7 @@ def tiny_moe(family: str, path, tokenizer_dir):
     config = getattr(transformers, config_cls)(**COMMON, **args)
     torch.manual_seed(1234)
     model = getattr(transformers, model_cls)(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones at init: make each one count
-                p.uniform_(0.5, 1.5)
+    perturb_norms_and_biases(model)
     return save_tiny_checkpoint(model, path, tokenizer_dir)
 
 

@@ -28,7 +28,7 @@ from engine.model.quantization import FP8_DTYPE
 from engine.model.rope_scaling import attention_factor
 from engine.model.rotary import inverse_frequencies
 from engine.sampling_params import SamplingParams
-from tests.conftest import hf_greedy, save_tiny_checkpoint
+from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
 from tests.engine.test_tensor_parallel import generate
 
@@ -50,10 +50,7 @@ def tiny_phi3(path, tokenizer_dir, **overrides):
                            **overrides})
     torch.manual_seed(2024)
     model = Phi3ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones at init: make each one count
-                p.uniform_(0.5, 1.5)
+    perturb_norms_and_biases(model)
     return save_tiny_checkpoint(model, path, tokenizer_dir)
 
 

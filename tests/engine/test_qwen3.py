@@ -14,7 +14,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.model.model_config import ModelConfig
-from tests.conftest import hf_greedy, save_tiny_checkpoint
+from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
 from tests.engine.test_tensor_parallel import generate
 
@@ -30,12 +30,7 @@ def tiny_qwen3(path, tokenizer_dir, **overrides):
                             **overrides})
     torch.manual_seed(4321)
     model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones at init: make each one count
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):  # zeros at init
-                p.normal_(0, 0.3)
+    perturb_norms_and_biases(model)
     return save_tiny_checkpoint(model, path, tokenizer_dir)
 
 
