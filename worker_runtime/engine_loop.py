@@ -36,6 +36,8 @@ class EngineLoop(threading.Thread):
         self.aio = aio_loop
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._held: list[tuple[Sink, Any]] | None = None
+        """During a step: what it emitted, sent once the step's stats are published."""
         self._stopping = threading.Event()
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -73,17 +75,20 @@ class EngineLoop(threading.Thread):
             try:
                 self._run_commands()
                 self.poll()
-                deltas = self.engine.step() if self.engine.has_unfinished() else []
-                self.generation_tokens_total += sum(len(delta.token_ids) for delta in deltas)
-                self._snapshot()  # before the deltas reach callers: one told its request ended sees it gone
-                for delta in deltas:  # from num_requests (a worker at its limit takes the next one at once)
-                    self.on_delta(delta)
-                if deltas:
-                    self._snapshot()  # and with what handling them changed (a prefill's lease)
+                if self.engine.has_unfinished():
+                    # What the step emits reaches callers only once its stats are published (below): a
+                    # router told a request ended never finds this worker still counting it, at its limit.
+                    self._held = []
+                    for delta in self.engine.step():
+                        self.generation_tokens_total += len(delta.token_ids)
+                        self.on_delta(delta)
+                self._snapshot()
+                self._release_held()
                 if self.kv_events is not None:
                     self.kv_events.flush()
             except Exception:  # keep serving: one bad step must not kill the worker silently
                 logger.exception("engine loop iteration failed")
+                self._release_held()
                 self._fail_all(RuntimeError("engine step failed; see the worker log"))
 
     def _run_commands(self) -> None:
@@ -110,7 +115,16 @@ class EngineLoop(threading.Thread):
 
     def emit(self, request_id: str, item: Any, last: bool) -> None:
         sink = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
-        if sink is not None:
+        if sink is None:
+            return
+        if self._held is not None:
+            self._held.append((sink, item))
+        else:
+            self.aio.call_soon_threadsafe(sink, item)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        for sink, item in held or ():
             self.aio.call_soon_threadsafe(sink, item)
 
     def add_sink(self, request_id: str, sink: Sink) -> None:
