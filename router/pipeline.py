@@ -240,14 +240,13 @@ class GenerationPipeline:
             uncached = max(0, len(prompt) - cached_blocks * self.selector.block_size)
             idle = worker.working == 0 and not (worker.stats and worker.stats.num_waiting_tokens)
             started = asyncio.get_running_loop().time()
-            worker.in_flight += 1
-            worker.pending_tokens += uncached
-            worker.pending_prompts[sample_id] = hashes
+            worker.begin_prefill(sample_id, uncached, hashes)
+            timed: tuple[int, float] | tuple[None, None] = (None, None)
             try:
                 first = await worker.stub.Prefill(request, timeout=_remaining(deadline))
                 computed = len(prompt) - first.cached_tokens
                 if idle:  # nothing ahead of it: the call's duration is this prompt's prefill
-                    worker.speed.observe(computed, asyncio.get_running_loop().time() - started)
+                    timed = (computed, asyncio.get_running_loop().time() - started)
                 if self.selector.metrics is not None:
                     self.selector.metrics.prefill_tokens.inc(max(0, computed))
                 return first
@@ -258,9 +257,7 @@ class GenerationPipeline:
                     continue
                 raise _worker_error(worker, exc) from None
             finally:
-                worker.in_flight -= 1
-                worker.pending_tokens -= uncached
-                worker.pending_prompts.pop(sample_id, None)
+                worker.end_prefill(sample_id, *timed)
 
     async def _decode(self, decode_req, worker: WorkerClient, deadline, touched):
         """The decode worker's stream; raises _StreamBroken when it breaks in a way a migration cures."""

@@ -34,7 +34,8 @@ class WorkerClient:
     stub: worker_pb2_grpc.WorkerStub = field(repr=False, default=None)
     healthy: bool = False
     in_flight: int = 0
-    """Requests this router has placed on the worker and not yet seen end."""
+    """Requests this router has placed on the worker and not yet seen end. The ledger fields (`in_flight`,
+    `pending_tokens`, `pending_prompts`, `speed`) are written only by the begin/end methods below."""
     in_flight_at_poll: int = 0
     """`in_flight` when the last stats arrived (the rest of stats.num_requests is others' work)."""
     pending_tokens: int = 0
@@ -53,6 +54,33 @@ class WorkerClient:
     """Event-loop time of its last answered poll (a silent stream on a worker that answers is slow, not hung)."""
     retiring: bool = False
     """Being removed (a planner scale-down): out of rotation for good, still polled while it drains."""
+    _pending_uncached: dict[str, int] = field(default_factory=dict, repr=False)
+    """Prefill: the uncached tokens each call in progress added to `pending_tokens`, by sample id."""
+
+    # ---- the ledger: this router's calls on the worker ----------------------
+    def begin_prefill(self, sample_id: str, uncached_tokens: int, block_hashes: list[int]) -> None:
+        """A Prefill call goes out: `uncached_tokens` of the prompt to compute, its blocks `block_hashes`."""
+        self.in_flight += 1
+        self.pending_tokens += uncached_tokens
+        self.pending_prompts[sample_id] = block_hashes
+        self._pending_uncached[sample_id] = uncached_tokens
+
+    def end_prefill(self, sample_id: str, computed_tokens: int | None = None, seconds: float | None = None) -> None:
+        """The Prefill call of `sample_id` ended; with `computed_tokens` and `seconds`, it ran alone on the
+        worker and its duration teaches the worker's speed."""
+        self.in_flight -= 1
+        self.pending_tokens -= self._pending_uncached.pop(sample_id, 0)
+        self.pending_prompts.pop(sample_id, None)
+        if computed_tokens is not None and seconds is not None:
+            self.speed.observe(computed_tokens, seconds)
+
+    def begin_decode(self) -> None:
+        """A request is routed to this decode worker (its slot is held from admission on)."""
+        self.in_flight += 1
+
+    def end_decode(self) -> None:
+        """A request routed here has ended (finished, failed, cancelled or migrated away)."""
+        self.in_flight -= 1
 
     @property
     def occupancy(self) -> int:

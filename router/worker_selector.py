@@ -89,7 +89,7 @@ class WorkerSelector:
         return route
 
     def release(self, route: Route) -> None:
-        route.decode.in_flight -= 1
+        route.decode.end_decode()
         self.admission.poke()
 
     def pick_prefill(self, prompt_len: int, block_hashes: list[int],
@@ -119,7 +119,7 @@ class WorkerSelector:
         chosen = self.policy.pick_decode(self._candidates(decode, block_hashes), len(block_hashes),
                                          routing_key(block_hashes))
         worker = self.pool.get(chosen.address)
-        worker.in_flight += 1
+        worker.begin_decode()
         # Blocks it holds on any medium: it loads its own host or disk copies rather than pull them.
         uncached = len(prompt) - chosen.held * self.block_size
         if not self.pool.has_role("prefill"):

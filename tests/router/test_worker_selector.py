@@ -68,9 +68,29 @@ def test_prefill_goes_to_the_holder_or_to_the_worker_already_computing_the_prefi
     assert selector.pick_prefill(len(PROMPT), HASHES) == (pool.get("p2:1"), 3)
     # A new prefix: nobody holds it, but p1 is prefilling a prompt that starts with it.
     other = hash_full_blocks(list(range(500, 600)), 16)
-    pool.get("p1:1").pending_prompts["x"] = other
+    pool.get("p1:1").begin_prefill("x", 4, other)  # almost done: little queued ahead
     assert selector.pick_prefill(100, other) == (pool.get("p1:1"), 6)
     assert selector.pick_prefill(100, other, exclude=(pool.get("p1:1"),))[0] is pool.get("p2:1")
+    pool.get("p1:1").end_prefill("x")  # done: the prefix is no longer being computed there
+    assert selector.pick_prefill(100, other)[1] == 0
+
+
+def test_the_ledger_is_balanced_by_its_begin_and_end_calls():
+    pool, _, _ = make()
+    worker = pool.get("p1:1")
+    worker.begin_prefill("a", 40, [1, 2])
+    worker.begin_prefill("b", 7, [3])
+    assert (worker.in_flight, worker.pending_tokens, set(worker.pending_prompts)) == (2, 47, {"a", "b"})
+    worker.end_prefill("a", computed_tokens=40, seconds=0.5)  # ran alone: the speed learns from it
+    assert (worker.in_flight, worker.pending_tokens, set(worker.pending_prompts)) == (1, 7, {"b"})
+    assert worker.speed.count == 1
+    worker.end_prefill("b")
+    assert (worker.in_flight, worker.pending_tokens, worker.pending_prompts) == (0, 0, {})
+    decode = pool.get("d1:1")
+    decode.begin_decode()
+    assert decode.in_flight == 1
+    decode.end_decode()
+    assert decode.in_flight == 0
 
 
 def test_prefill_leases_are_not_load():
