@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.cluster_auth import ClusterKeys, tokens  # noqa: E402
-from pdserve.protocol import generate_pb2, worker_pb2  # noqa: E402
+from common.cluster_auth import ClusterKeys, tokens  # noqa: E402
+from common.protocol import generate_pb2, worker_pb2  # noqa: E402
 
 METHOD = "/pdserve.v1.Worker/Decode"
 WORKER = "10.0.0.7:7002"

@@ -44,8 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
-from pdserve.grpc_common import insecure_channel  # noqa: E402
-from pdserve.protocol import generate_pb2, generate_pb2_grpc  # noqa: E402
+from common.grpc_common import insecure_channel  # noqa: E402
+from common.protocol import generate_pb2, generate_pb2_grpc  # noqa: E402
 from tests.cluster.harness import start, worker_stats  # noqa: E402
 
 CONFIGS = {"disagg": "1P1D", "colocated": "co-located"}

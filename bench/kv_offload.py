@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.disagg_vs_colocated import cpu_model, pct  # noqa: E402
-from pdserve.grpc_common import insecure_channel  # noqa: E402
-from pdserve.protocol import generate_pb2, generate_pb2_grpc  # noqa: E402
+from common.grpc_common import insecure_channel  # noqa: E402
+from common.protocol import generate_pb2, generate_pb2_grpc  # noqa: E402
 from tests.cluster.harness import start  # noqa: E402
 
 BLOCK_BYTES_BF16 = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2: layers x K/V x block x KV heads x head dim x 2 bytes

@@ -426,8 +426,8 @@ def main() -> None:
     tuning = {"socket_buffer_bytes": int(args.socket_buffer_mb * (1 << 20)),
               "staging_chunk_bytes": int(args.staging_chunk_mb * (1 << 20))}
     if "-tls" in (args.backends or ""):
+        from common.cluster_auth.dev_pki import make_cluster_pki
         from kv_transfer import KVTLSFiles
-        from pdserve.cluster_auth.dev_pki import make_cluster_pki
         worker = make_cluster_pki(tempfile.mkdtemp(prefix="kv-bench-pki-"))["worker"]
         tuning["tls"] = KVTLSFiles(worker.cert, worker.key, worker.ca)
     if cuda:

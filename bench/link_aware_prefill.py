@@ -48,9 +48,9 @@ def client(address: str, prompts: list[list[int]], max_tokens: int) -> None:
     """Host 1: the requests one by one; prints [{ttft_s, e2e_s, remote}] as JSON."""
     import grpc
 
+    from common.client import build_request
+    from common.protocol import generate_pb2_grpc
     from engine.sampling_params import SamplingParams
-    from pdserve.client import build_request
-    from pdserve.protocol import generate_pb2_grpc
     stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
     rows = []
     for i, prompt in enumerate(prompts):

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from loadtest.arrivals import parse_schedule  # noqa: E402
+from loadtest.chaos.processes import ManagedProcess  # noqa: E402
 from loadtest.config import DatasetConfig, LoadTestConfig  # noqa: E402
 from loadtest.runner import run  # noqa: E402
-from pdserve.chaos.processes import ManagedProcess  # noqa: E402
 from tests.cluster.harness import free_port  # noqa: E402
 
 WORKER_FLAGS = ["--model", "default", "--dtype", "float32", "--num-threads", "1", "--kv-cache-memory-gib", "0.5"]

@@ -49,8 +49,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 
 from bench.disagg_vs_colocated import arrival_offsets, cpu_model, pct  # noqa: E402
-from pdserve.grpc_common import insecure_channel  # noqa: E402
-from pdserve.protocol import generate_pb2, generate_pb2_grpc  # noqa: E402
+from common.grpc_common import insecure_channel  # noqa: E402
+from common.protocol import generate_pb2, generate_pb2_grpc  # noqa: E402
 from tests.cluster.harness import free_port, metric_value, start  # noqa: E402
 
 POLICIES = ("prefix", "round_robin", "random")

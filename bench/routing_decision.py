@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from common.protocol import worker_pb2  # noqa: E402
 from engine.block_hash import hash_full_blocks  # noqa: E402
-from pdserve.protocol import worker_pb2  # noqa: E402
 from router.admission import AdmissionQueue  # noqa: E402
 from router.kv_index import KvIndex  # noqa: E402
 from router.routing_policy import RoutingPolicy  # noqa: E402

@@ -5,10 +5,10 @@ import time
 
 import grpc
 
+from common.client import build_request
 from engine.sampling_params import SamplingParams
 from loadtest.datasets import Prompt
 from loadtest.stats import RequestRecord
-from pdserve.client import build_request
 
 
 def make_request(request_id: str, prompt: Prompt):

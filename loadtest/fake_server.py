@@ -11,8 +11,8 @@ import asyncio
 
 import grpc
 
-from pdserve.grpc_common import new_server
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from common.grpc_common import new_server
+from common.protocol import generate_pb2, generate_pb2_grpc
 
 
 class FakeGeneration(generate_pb2_grpc.GenerationServicer):

@@ -5,13 +5,13 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from common.client_channel import api_key, client_channel
+from common.protocol import generate_pb2_grpc
 from loadtest.arrivals import arrival_offsets, schedule_offsets
 from loadtest.client import make_request, send
 from loadtest.config import LoadTestConfig
 from loadtest.datasets import Prompt, load_prompts
 from loadtest.stats import RequestRecord, phase_summaries, summarize
-from pdserve.client_channel import api_key, client_channel
-from pdserve.protocol import generate_pb2_grpc
 
 
 @dataclass

@@ -125,9 +125,9 @@ def add_registry_args(p: argparse.ArgumentParser) -> None:
 
 def worker_config_from_args(args: argparse.Namespace, role: str, standalone: bool = True):
     """WorkerConfig from the worker flags; `serve` (not standalone) picks hosts and ports itself."""
+    from common.cluster_auth import ClusterAuthConfig
+    from common.cluster_auth.tls import InternalTLSConfig
     from kv_transfer import KVTransferConfig
-    from pdserve.cluster_auth import ClusterAuthConfig
-    from pdserve.cluster_auth.tls import InternalTLSConfig
     from worker_runtime.config import WorkerConfig
     host = args.host if standalone else "127.0.0.1"
     advertise = args.advertise_host if standalone else None
@@ -221,8 +221,8 @@ def tier_weights(text: str) -> dict[str, float]:
 
 
 def router_config_from_args(args: argparse.Namespace, prefill: list[str], decode: list[str]):
-    from pdserve.cluster_auth import ClusterAuthConfig
-    from pdserve.cluster_auth.tls import InternalTLSConfig
+    from common.cluster_auth import ClusterAuthConfig
+    from common.cluster_auth.tls import InternalTLSConfig
     from router.config import RouterConfig
     from router.front_security import FrontSecurityConfig
     from router.openai.http_limits import http_limits_from_args
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_loadtest_args(sub.add_parser("loadtest", help="measure TTFT/ITL/TPOT/E2E latency and goodput of a running "
                                                       "cluster at a request rate"))
 
-    from pdserve.chaos.cli import add_arguments as add_chaos_args
+    from loadtest.chaos.cli import add_arguments as add_chaos_args
     add_chaos_args(sub.add_parser("chaos", help="start a local cluster, run a load test while killing, stopping and "
                                                 "draining workers on a schedule; report completed/migrated/failed "
                                                 "requests and leaks (exit 1 unless none failed and nothing leaked)"))
@@ -351,7 +351,7 @@ def _prepare(args: argparse.Namespace):
     """Validate the flags into config objects; return the command to run."""
     if args.command == "generate":
         if args.url:
-            from pdserve.client import run_generate_url
+            from common.client import run_generate_url
             return lambda: run_generate_url(args)
         if not args.offline:
             raise ValueError("give --url HOST:PORT (a running cluster) or --offline")
@@ -362,7 +362,7 @@ def _prepare(args: argparse.Namespace):
         from loadtest.cli import prepare
         return prepare(args)
     if args.command == "chaos":
-        from pdserve.chaos.cli import prepare as prepare_chaos
+        from loadtest.chaos.cli import prepare as prepare_chaos
         return prepare_chaos(args)
     if args.command == "planner":
         from planner.cli import prepare as prepare_planner
@@ -370,7 +370,7 @@ def _prepare(args: argparse.Namespace):
     if args.command == "quantize":
         return lambda: _quantize(args)
     if args.command in ("prefill-worker", "decode-worker"):
-        from worker_runtime.server import run_worker
+        from pdserve.worker_roles import run_worker
         config = worker_config_from_args(args, args.command.split("-")[0])
         return lambda: run_worker(config)
     if args.command == "router":

@@ -23,10 +23,10 @@ import sys
 import tempfile
 import threading
 
-from pdserve.cluster_auth import ClusterAuthConfig
-from pdserve.cluster_auth.dev_pki import make_cluster_pki
-from pdserve.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
-from pdserve.cluster_auth.tls import InternalTLSConfig
+from common.cluster_auth import ClusterAuthConfig
+from common.cluster_auth.dev_pki import make_cluster_pki
+from common.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
+from common.cluster_auth.tls import InternalTLSConfig
 from pdserve.cluster_placement import NodeSlot, actor_options, free_port, pick_nodes, probe_node_slots
 from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, least_loaded_node, supervise
 from pdserve.ray_network import AUTH_MODE_ENV, check_ray_auth, init_private_ray, loopback_only_ray

@@ -10,10 +10,10 @@ import subprocess
 import sys
 import time
 
+from common.client import build_request, generate_one
+from common.grpc_common import insecure_channel
+from common.protocol import generate_pb2_grpc
 from engine.sampling_params import SamplingParams
-from pdserve.client import build_request, generate_one
-from pdserve.grpc_common import insecure_channel
-from pdserve.protocol import generate_pb2_grpc
 
 PROMPTS = [
     "What is the capital of France?",

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import sys
 
+from common.jsonl_requests import LineError, LineRequest, read_requests, result_line
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionCollector
 from engine.sampling_params import InvalidParameter
-from pdserve.jsonl_requests import LineError, LineRequest, read_requests, result_line
 
 
 def prompt_token_ids(engine: LLMEngine, request: LineRequest) -> list[int]:

@@ -14,10 +14,10 @@ class WorkerProcess:
     """Body of a worker actor: a WorkerServer on an asyncio loop of its own thread."""
 
     def __init__(self, config: WorkerConfig, log_level: str = "WARNING") -> None:
-        from worker_runtime.server import WorkerServer
+        from pdserve.worker_roles import worker_server
 
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self._server = WorkerServer(config)
+        self._server = worker_server(config)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop = asyncio.new_event_loop()

@@ -75,7 +75,7 @@ def run_planner(config: PlannerConfig, scaler, urls: list[str], host: str, metri
 
     from prometheus_client import CollectorRegistry
 
-    from pdserve.metrics_http import MetricsServer
+    from common.metrics_http import MetricsServer
     from planner.loop import PlannerLoop
     from planner.planner_metrics import PlannerMetrics
     from planner.router_scrape import read_routers

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pdserve.cluster_auth import ClusterAuthConfig
-from pdserve.cluster_auth.tls import InternalTLSConfig
+from common.cluster_auth import ClusterAuthConfig
+from common.cluster_auth.tls import InternalTLSConfig
 from router.front_security import FrontSecurityConfig
 from router.openai.http_limits import HttpLimits
 from router.routing_policy import POLICIES as ROUTING_POLICIES

@@ -10,7 +10,7 @@ stream's first message, or `GetKvSnapshot`), then read on from its sequence
 number. While a source is unreachable the index keeps its last view.
 
 With the cluster secret, a batch read from Redis must carry its worker's signature
-(pdserve/cluster_auth/events.py): one without a valid one is dropped and the feed
+(common/cluster_auth/events.py): one without a valid one is dropped and the feed
 resyncs from the worker's snapshot over authenticated gRPC, so whoever can write to
 Redis cannot feed the index false events.
 """
@@ -21,10 +21,10 @@ import logging
 
 import grpc
 
+from common import redis_keys
+from common.cluster_auth import events
+from common.protocol import kv_events_from_proto, worker_pb2
 from engine.kv_events import BlockStored
-from pdserve import redis_keys
-from pdserve.cluster_auth import events
-from pdserve.protocol import kv_events_from_proto, worker_pb2
 from router.kv_index import KvIndex
 from router.worker_pool import WorkerClient
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from pdserve.metrics_http import MetricsServer
+from common.metrics_http import MetricsServer
 from router.migration import MigrationReason
 from router.worker_pool import WorkerPool
 

@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from pdserve.cluster_auth import handles
-from pdserve.protocol import generate_pb2, params_to_proto, worker_pb2
+from common.cluster_auth import handles
+from common.protocol import generate_pb2, params_to_proto, worker_pb2
 from router.admission import AdmissionRejected
 from router.config import RouterConfig
 from router.migration import MigrationReason, SampleProgress, migration_reason

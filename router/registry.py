@@ -6,7 +6,7 @@ has expired (missed heartbeats, or it left on drain) is removed. Workers given
 on the command line are never removed here (the health poll handles them).
 
 With a cluster secret only registrations signed by a worker holding it count
-(`pdserve.cluster_auth.registrations`): an address anyone else wrote is ignored
+(`common.cluster_auth.registrations`): an address anyone else wrote is ignored
 (logged once), never dialled.
 
 If Redis is unreachable the pool stays as it is (routers serve on their last
@@ -21,8 +21,8 @@ import time
 
 from redis.exceptions import RedisError
 
-from pdserve import redis_keys
-from pdserve.cluster_auth import registrations
+from common import redis_keys
+from common.cluster_auth import registrations
 from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)

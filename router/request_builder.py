@@ -9,11 +9,11 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from common.protocol import params_from_proto
 from engine.model.model_config import ModelConfig
 from engine.model_files import resolve_model_path
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.tokenizer import Tokenizer
-from pdserve.protocol import params_from_proto
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from common.protocol import finish_reason_name, generate_pb2
 from engine.sampling_params import InvalidParameter
-from pdserve.protocol import finish_reason_name, generate_pb2
 from router.metrics import RouterMetrics
 from router.pipeline import GenerationPipeline, PipelineError
 from router.request_builder import RequestBuilder

@@ -6,8 +6,8 @@ import asyncio
 import logging
 import time
 
-from pdserve.grpc_common import add_health_and_reflection, new_server, run_until_signalled, set_serving
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from common.grpc_common import add_health_and_reflection, new_server, run_until_signalled, set_serving
+from common.protocol import generate_pb2, generate_pb2_grpc
 from router.admission import AdmissionQueue
 from router.auth import ApiKeys
 from router.config import RouterConfig
@@ -76,7 +76,7 @@ class RouterServer:
         builder = await loop.run_in_executor(None, lambda: RequestBuilder(
             config.model, config.max_model_len, config.max_n, config.max_prompt_chars))
         if config.redis_url:
-            from pdserve import redis_client
+            from common import redis_client
             self._redis = redis_client.connect(config.redis_url, timeout_s=5,
                                                password_file=config.redis_password_file)
         self._feeds = KvFeeds(self.index, self._redis, self._events_key)
@@ -143,7 +143,7 @@ class RouterServer:
         if self._feeds is not None:
             await self._feeds.close()
         if self._redis is not None:
-            from pdserve import redis_client
+            from common import redis_client
             await redis_client.close(self._redis)
         if self._metrics_server is not None:
             self._metrics_server.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from common.protocol import generate_pb2, generate_pb2_grpc
 from router.auth import ApiKeys
 from router.requests import RequestFailed, RequestRunner
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.cluster_auth.grpc_auth import call_with_challenge, worker_channel
-from pdserve.protocol import worker_pb2, worker_pb2_grpc
+from common.cluster_auth.grpc_auth import call_with_challenge, worker_channel
+from common.protocol import worker_pb2, worker_pb2_grpc
 from router.link_estimate import LinkEstimate
 from router.routing_policy import PrefillSpeed
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pdserve.jsonl_requests import LineError, parse_line
+from common.jsonl_requests import LineError, parse_line
 
 GOOD = {"id": "ok", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
 

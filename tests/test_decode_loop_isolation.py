@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from decode_worker.decode_loop import DecodeLoop, KVSource
+from decode_worker.decode_loop import DecodeLoop
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from worker_runtime.kv_handle import KVSource
 
 PROMPT = list(range(1000, 1040))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cluster_auth.dev_pki import make_ca, make_cert
+from common.cluster_auth.dev_pki import make_ca, make_cert
 
 
 @dataclass

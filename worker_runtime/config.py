@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from common.cluster_auth import ClusterAuthConfig
+from common.cluster_auth.tls import InternalTLSConfig
 from engine.config import EngineConfig
 from kv_transfer import KVTransferConfig
-from pdserve.cluster_auth import ClusterAuthConfig
-from pdserve.cluster_auth.tls import InternalTLSConfig
 
 ROLES = ("prefill", "decode")
 

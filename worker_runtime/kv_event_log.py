@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.protocol import kv_events_to_proto, worker_pb2
+from common.protocol import kv_events_to_proto, worker_pb2
 
 MAX_QUEUED_BATCHES = 10_000
 

@@ -15,8 +15,8 @@ import logging
 
 from redis.exceptions import RedisError
 
-from pdserve import redis_client, redis_keys
-from pdserve.cluster_auth import events, registrations
+from common import redis_client, redis_keys
+from common.cluster_auth import events, registrations
 from worker_runtime.kv_event_log import KvEventLog
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""One worker process: engine + engine thread + kv_transfer side + gRPC server.
+"""One worker process: engine + engine thread + kv_transfer side + gRPC server, serving one role.
 
 `WorkerServer` starts and stops in any asyncio loop (tests run it in-process,
 the Ray actor in a thread of its own); `run_worker` is the process entry point
@@ -15,27 +15,25 @@ from pathlib import Path
 import grpc
 import torch
 
-from decode_worker.decode_loop import DecodeLoop
-from engine.config import SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from kv_transfer import KVLayout, make_receiver, make_sender
-from kv_transfer.sharded import ShardedKV
-from kv_transfer.tls import KVTLSFiles
-from pdserve.cluster_auth.grpc_auth import ClusterAuthServerInterceptor
-from pdserve.cluster_auth.secret import LOOPBACK_HOSTS, warn_if_exposed
-from pdserve.grpc_common import (
+from common.cluster_auth.grpc_auth import ClusterAuthServerInterceptor
+from common.cluster_auth.secret import LOOPBACK_HOSTS, warn_if_exposed
+from common.grpc_common import (
     WORKER_SERVER_OPTIONS,
     add_health_and_reflection,
     run_until_signalled,
     set_serving,
 )
-from pdserve.grpc_invalid_messages import InvalidMessages
-from pdserve.protocol import worker_pb2, worker_pb2_grpc
-from prefill_worker.prefill_loop import PrefillLoop
+from common.grpc_invalid_messages import InvalidMessages
+from common.protocol import worker_pb2, worker_pb2_grpc
+from engine.llm_engine import LLMEngine
+from kv_transfer import KVLayout
+from kv_transfer.sharded import ShardedKV
+from kv_transfer.tls import KVTLSFiles
 from worker_runtime.config import WorkerConfig
-from worker_runtime.errors import Draining
+from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.kv_event_log import KvEventLog
 from worker_runtime.metrics import WorkerMetrics
+from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)
@@ -43,12 +41,15 @@ SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 class WorkerServer:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, role: WorkerRole) -> None:
+        if role.name != config.role:
+            raise ValueError(f"a {role.name} role cannot serve a {config.role} worker's configuration")
         self.config = config
+        self.role = role
         self.address = ""
         self.engine: LLMEngine | None = None
         self._transfer_side = None
-        self._loop_thread: PrefillLoop | DecodeLoop | None = None
+        self._loop_thread: EngineLoop | None = None
         self._server = None
         self._health = None
         self._servicer: WorkerServicer | None = None
@@ -64,10 +65,7 @@ class WorkerServer:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         aio = asyncio.get_running_loop()
-        engine_config = config.engine
-        if config.role == "prefill":  # it stops every request at its first token: nothing to speculate
-            engine_config = dataclasses.replace(engine_config, speculative=SpeculativeConfig())
-        self.engine = await aio.run_in_executor(None, LLMEngine, engine_config)
+        self.engine = await aio.run_in_executor(None, LLMEngine, self.role.engine_config(config.engine))
         shards = self.engine.runner.kv_shards()  # one per tensor-parallel rank
         kv_cache = shards[0] if len(shards) == 1 else ShardedKV(shards)
         layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name, self.engine.runner.kv_scales)
@@ -77,12 +75,8 @@ class WorkerServer:
         kv_tls = KVTLSFiles(config.tls.cert_file, config.tls.key_file, config.tls.ca_file) \
             if config.tls.enabled and config.kv_tls else None
         kv_config = dataclasses.replace(config.kv_transfer, auth_key=keys.kv if keys else None, tls=kv_tls)
-        if config.role == "prefill":
-            self._transfer_side = await aio.run_in_executor(None, make_sender, kv_cache, layout, kv_config)
-            self._loop_thread = PrefillLoop(self.engine, aio, self._transfer_side)
-        else:
-            self._transfer_side = await aio.run_in_executor(None, make_receiver, kv_cache, layout, kv_config)
-            self._loop_thread = DecodeLoop(self.engine, aio, self._transfer_side, config.pull_timeout_s)
+        self._transfer_side = await aio.run_in_executor(None, self.role.open_transfer, kv_cache, layout, kv_config)
+        self._loop_thread = self.role.make_loop(self.engine, aio, self._transfer_side, config)
         kv_events = self._loop_thread.kv_events = KvEventLog(self.engine, aio)
         self._loop_thread.start()
         auth = ClusterAuthServerInterceptor(keys.grpc) if keys else None
@@ -98,7 +92,7 @@ class WorkerServer:
         self.address = kv_events.worker = f"{_advertised_host(config)}:{port}"
         if auth is not None:
             auth.audiences = worker_names(self.address, config, port)
-        self._servicer = WorkerServicer(config, self._loop_thread, self.address,
+        self._servicer = WorkerServicer(config, self.role, self._loop_thread, self.address,
                                         getattr(self._transfer_side, "backend_name", ""))
         self._servicer.handle_key = keys.handle if keys else None
         self._servicer.kv_block_bytes = layout.block_nbytes
@@ -137,14 +131,8 @@ class WorkerServer:
         while time.monotonic() < deadline and (self._servicer.in_flight
                                                or self._loop_thread.stats.get("num_requests", 0)):
             await asyncio.sleep(0.05)
-        if isinstance(self._loop_thread, DecodeLoop) and self._servicer.in_flight:
-            # End the streams still running as "draining" (UNAVAILABLE): routers migrate those samples
-            # (router/migration.py) instead of seeing them cut off by the shutdown.
-            loop = self._loop_thread
-            await loop.call(lambda: loop.end_all(Draining(f"the worker is draining: its {timeout_s:g}s drain "
-                                                          f"timeout passed")))
-            while self._servicer.in_flight and time.monotonic() < deadline + 5:
-                await asyncio.sleep(0.05)
+        if self._servicer.in_flight:
+            await self.role.end_streams(self._servicer, self._loop_thread, timeout_s)
 
     async def _leave_registry(self) -> None:
         if self._presence is not None:
@@ -184,6 +172,6 @@ def worker_names(address: str, config: WorkerConfig, port: int) -> tuple[str, ..
     return tuple(dict.fromkeys([address, *names]))
 
 
-def run_worker(config: WorkerConfig) -> int:
-    """Process entry point: serve until SIGTERM/SIGINT, then drain and exit."""
-    return run_until_signalled(WorkerServer(config), lambda address: f"ready: {config.role} worker at {address}")
+def run_worker(config: WorkerConfig, role: WorkerRole) -> int:
+    """Process entry point: serve `role` until SIGTERM/SIGINT, then drain and exit."""
+    return run_until_signalled(WorkerServer(config, role), lambda address: f"ready: {config.role} worker at {address}")

@@ -1,34 +1,27 @@
-"""The internal Worker gRPC service: Prefill, Decode, Abort, GetStats.
+"""The internal Worker gRPC service: Prefill, Decode, Abort, GetStats, the KV event feed.
 
-Thin: converts messages, admits or refuses, and waits on the engine thread.
-A cancelled call (router gone, client cancel, deadline) aborts the request.
+Thin: converts messages, admits or refuses, and waits on the engine thread. Prefill and Decode are the
+role's (worker_runtime/role.py); the rest is every worker's. A cancelled call (router gone, client
+cancel, deadline) aborts the request.
 """
 from __future__ import annotations
 
-import asyncio
-import math
-
 import grpc
 
-from decode_worker.decode_loop import DecodeLoop, KVSource
+from common.protocol import generate_pb2, params_from_proto, worker_pb2, worker_pb2_grpc
 from engine.sampling_params import InvalidParameter
-from pdserve.cluster_auth import handles
-from pdserve.protocol import (
-    FINISH_REASONS,
-    chunk_from_delta,
-    generate_pb2,
-    params_from_proto,
-    worker_pb2,
-    worker_pb2_grpc,
-)
-from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.config import WorkerConfig
+from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.errors import Draining, Overloaded, WorkerError
+from worker_runtime.role import WorkerRole
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig, loop: PrefillLoop | DecodeLoop, address: str, backend: str) -> None:
+    def __init__(self, config: WorkerConfig, role: WorkerRole, loop: EngineLoop, address: str,
+                 backend: str) -> None:
         self.config = config
+        self.role = role
+        """What this worker serves (Prefill or Decode): prefill_worker/role.py or decode_worker/role.py."""
         self.loop = loop
         self.address = address
         self.backend = backend
@@ -41,85 +34,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # ---- RPCs -----------------------------------------------------------------
     async def Prefill(self, request, context):
-        if not isinstance(self.loop, PrefillLoop):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a decode worker")
-        rid = request.request_id
-        async with self._admitted(context):
-            params = await self._params(request.params, context)
-            lease_s = request.lease_s
-            if not math.isfinite(lease_s) or lease_s < 0:
-                await _abort_with(context, InvalidParameter("lease_s", "must be a finite number >= 0"))
-            lease_s = min(lease_s or self.config.lease_s, self.config.lease_s)  # the worker's --lease-s caps it
-            try:
-                result = await self.loop.prefill(rid, list(request.prompt_token_ids), params, lease_s,
-                                                 cache_salt=request.cache_salt)
-            except asyncio.CancelledError:
-                self.loop.abort(rid)
-                raise
-            except (InvalidParameter, WorkerError) as exc:
-                await _abort_with(context, exc)
-            first = result.first
-            response = worker_pb2.PrefillResponse(first=chunk_from_delta(first), finished=first.finished,
-                                                  cached_tokens=first.num_cached_tokens)
-            if first.finished:
-                response.finish_reason = FINISH_REASONS[first.finish_reason]
-            else:
-                response.kv.CopyFrom(worker_pb2.KVHandle(
-                    peer_info_json=result.peer_info_json, transfer_id=result.transfer_id,
-                    block_ids=result.block_ids, num_tokens=len(request.prompt_token_ids),
-                    worker_address=self.address, capability=result.capability))
-            return response
+        return await self.role.prefill(self, request, context)
 
     async def Decode(self, request, context):
-        if not isinstance(self.loop, DecodeLoop):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a prefill worker")
-        rid = request.request_id
-        async with self._admitted(context):
-            params = await self._params(request.params, context)
-            source = None
-            resumed = list(request.resume_token_ids)
-            if resumed and request.HasField("first_token_id"):
-                await _abort_with(context, InvalidParameter("resume_token_ids", "cannot be set with first_token_id"))
-            if request.HasField("first_token_id"):
-                if self.handle_key is not None and not handles.verify(self.handle_key, request.kv,
-                                                                      request.prompt_token_ids):
-                    await _abort_with(context, InvalidParameter(
-                        "kv", "the handle is not signed by a router of this cluster for this prompt"))
-                try:
-                    source = KVSource.from_handle(request.kv, request.first_token_id)
-                except InvalidParameter as exc:
-                    await _abort_with(context, exc)
-            items: asyncio.Queue = asyncio.Queue()
-            prompt = list(request.prompt_token_ids)
-            try:
-                await self.loop.decode(rid, prompt, params, source, items.put_nowait, cache_salt=request.cache_salt,
-                                       resume_token_ids=resumed)
-            except (InvalidParameter, WorkerError) as exc:
-                await _abort_with(context, exc)
-            num_tokens = 1 if source is not None else len(resumed)  # usage counts every generated token
-            finished = False
-            try:
-                while True:
-                    item = await items.get()
-                    if isinstance(item, asyncio.CancelledError):
-                        finished = True
-                        await context.abort(grpc.StatusCode.CANCELLED, "aborted")
-                    if isinstance(item, BaseException):
-                        finished = True
-                        await _abort_with(context, item)
-                    num_tokens += len(item.token_ids)
-                    if item.token_ids or item.text:
-                        yield generate_pb2.GenerateResponse(request_id=rid, chunk=chunk_from_delta(item))
-                    if item.finished:
-                        finished = True
-                        yield generate_pb2.GenerateResponse(request_id=rid, complete=generate_pb2.Complete(
-                            finish_reason=FINISH_REASONS[item.finish_reason],
-                            usage=generate_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_tokens,
-                                                     cached_tokens=item.num_cached_tokens)))
-                        return
-            finally:
-                if not finished:
-                    self.loop.abort(rid)
+        async for response in self.role.decode(self, request, context):
+            yield response
 
     async def Abort(self, request, context):
         found = await self.loop.abort(request.request_id)
@@ -149,15 +68,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetKvSnapshot(self, request, context):
         return await self.loop.call(self.loop.kv_events.snapshot_now)
 
-    # ---- helpers --------------------------------------------------------------
-    def _admitted(self, context):
+    # ---- what the roles' RPCs share --------------------------------------------
+    def admitted(self, context) -> _Admission:
+        """`async with`: refuse the call while draining or full; count it in flight for the drain."""
         return _Admission(self, context)
 
-    async def _params(self, msg, context):
+    async def params(self, msg, context):
+        """The call's sampling parameters, or the call aborted with INVALID_ARGUMENT naming the field."""
         try:
             return params_from_proto(msg)
         except InvalidParameter as exc:
-            await _abort_with(context, exc)
+            await abort_with(context, exc)
 
 
 class _Admission:
@@ -170,9 +91,9 @@ class _Admission:
     async def __aenter__(self) -> None:
         s = self.servicer
         if s.draining:
-            await _abort_with(self.context, Draining("the worker is draining"))
+            await abort_with(self.context, Draining("the worker is draining"))
         if s.loop.stats.get("num_requests", 0) >= s.config.max_num_requests:
-            await _abort_with(self.context, Overloaded(
+            await abort_with(self.context, Overloaded(
                 f"the worker holds {s.config.max_num_requests} requests (its limit)"))
         s.in_flight += 1
 
@@ -180,7 +101,9 @@ class _Admission:
         self.servicer.in_flight -= 1
 
 
-async def _abort_with(context, exc: BaseException) -> None:
+async def abort_with(context, exc: BaseException) -> None:
+    """End the call with the status `exc` maps to: INVALID_ARGUMENT naming the field, a WorkerError's code
+    (RESOURCE_EXHAUSTED, UNAVAILABLE), else INTERNAL."""
     if isinstance(exc, InvalidParameter):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     code = exc.code if isinstance(exc, WorkerError) else grpc.StatusCode.INTERNAL

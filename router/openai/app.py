@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from common.client import collect_samples
 from engine.sampling_params import InvalidParameter
-from pdserve.client import collect_samples
 from router.auth import ApiKeys
 from router.openai import errors
 from router.openai.auth import ApiKeyAuth, tenant_of

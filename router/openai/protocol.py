@@ -12,8 +12,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.protocol import generate_pb2
 from engine.sampling_params import InvalidParameter, SamplingParams
-from pdserve.protocol import generate_pb2
 
 Int32 = Annotated[int, Field(ge=-2 ** 31, le=2 ** 31 - 1)]
 Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]

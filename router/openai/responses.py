@@ -11,8 +11,8 @@ import json
 import time
 from collections.abc import Callable
 
-from pdserve.client import SampleResult
-from pdserve.protocol import finish_reason_name, generate_pb2, logprobs_from_chunk, usage_from_proto
+from common.client import SampleResult
+from common.protocol import finish_reason_name, generate_pb2, logprobs_from_chunk, usage_from_proto
 
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "abort": "abort"}
 

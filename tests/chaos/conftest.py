@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdserve.chaos.faults import wait_back
-from pdserve.chaos.processes import stop_all
+from loadtest.chaos.faults import wait_back
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value, start, start_router, start_workers
 from tests.redis_server import RedisServer
 
@@ -34,7 +34,7 @@ def router_with_metrics(prefill, decode, *extra):
 
 @pytest.fixture(scope="package")
 def chaos_cluster(smollm2_dir, tmp_path_factory):
-    from pdserve.cluster_auth import write_secret_file
+    from common.cluster_auth import write_secret_file
     redis_server = RedisServer(free_port()).start()
     secret = write_secret_file(str(tmp_path_factory.mktemp("chaos-secret")))
     auth = ["--cluster-secret-file", secret]

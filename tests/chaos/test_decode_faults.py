@@ -12,8 +12,8 @@ import uuid
 import grpc
 import pytest
 
+from common.client import build_request
 from engine.sampling_params import SamplingParams
-from pdserve.client import build_request
 from tests.cluster.harness import assert_no_leaks, generation_stub, metric_value, worker_stats
 
 pytestmark = pytest.mark.usefixtures("workers_restored")

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
+from loadtest.chaos.config import ChaosConfig
+from loadtest.chaos.processes import _without
+from loadtest.chaos.report import table, verdict
+from loadtest.chaos.schedule import fault_plan
 from loadtest.config import LoadTestConfig
-from pdserve.chaos.config import ChaosConfig
-from pdserve.chaos.processes import _without
-from pdserve.chaos.report import table, verdict
-from pdserve.chaos.schedule import fault_plan
 
 LOAD = LoadTestConfig(url="127.0.0.1:1")
 

@@ -13,7 +13,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from common.protocol import generate_pb2, generate_pb2_grpc
 from tests.cluster.harness import assert_no_leaks
 
 pytestmark = pytest.mark.usefixtures("workers_restored")

@@ -11,9 +11,9 @@ import uuid
 import grpc
 import pytest
 
+from common import redis_keys
+from common.client import build_request
 from engine.sampling_params import SamplingParams
-from pdserve import redis_keys
-from pdserve.client import build_request
 from tests.cluster.harness import assert_no_leaks, generation_stub, metric_value
 
 pytestmark = pytest.mark.usefixtures("workers_restored")

@@ -14,9 +14,9 @@ import grpc
 import httpx2 as httpx
 import pytest
 
+from common.client import build_request
+from common.protocol import generate_pb2, generate_pb2_grpc
 from engine.sampling_params import SamplingParams
-from pdserve.client import build_request
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
 from tests.cluster.harness import assert_no_leaks, metric_value
 
 pytestmark = pytest.mark.usefixtures("workers_restored")

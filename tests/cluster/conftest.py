@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.chaos.processes import stop_all
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import free_port, start_router, start_workers
 
 

@@ -5,9 +5,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from pdserve.chaos.leaks import wait_until_idle, worker_stats  # noqa: F401 - worker_stats is used by tests
-from pdserve.chaos.processes import ManagedProcess, stop_all
-from pdserve.protocol import generate_pb2_grpc
+from common.protocol import generate_pb2_grpc
+from loadtest.chaos.leaks import wait_until_idle, worker_stats  # noqa: F401 - worker_stats is used by tests
+from loadtest.chaos.processes import ManagedProcess, stop_all
 
 WORKER_FLAGS = ["--model", "default", "--dtype", "float32", "--kv-cache-memory-gib", "0.25", "--num-threads", "1",
                 "--max-num-batched-tokens", "512"]
@@ -78,8 +78,8 @@ def generate_routed(router: Proc, token_ids: list[int], max_tokens: int = 4, req
     """One greedy request; its tokens, cached tokens and the workers the router chose (trailing metadata)."""
     import uuid
 
+    from common.client import build_request
     from engine.sampling_params import SamplingParams
-    from pdserve.client import build_request
     call = generation_stub(router.address).Generate(
         build_request(request_id or uuid.uuid4().hex, SamplingParams(max_tokens=max_tokens, temperature=0.0),
                       token_ids=token_ids), timeout=120)

@@ -12,10 +12,10 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
+from common.client import build_request
+from common.protocol import generate_pb2_grpc
 from engine.sampling_params import SamplingParams
-from pdserve.chaos.processes import stop_all
-from pdserve.client import build_request
-from pdserve.protocol import generate_pb2_grpc
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import assert_no_leaks, free_port, metric_value, start, start_worker
 
 MAX_TOKENS = 48

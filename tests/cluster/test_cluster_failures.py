@@ -7,8 +7,8 @@ import random
 import grpc
 import pytest
 
-from pdserve.grpc_common import insecure_channel
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from common.grpc_common import insecure_channel
+from common.protocol import generate_pb2, generate_pb2_grpc
 from tests.cluster.harness import assert_no_leaks, generation_stub
 
 

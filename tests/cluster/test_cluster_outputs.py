@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from common.protocol import generate_pb2
 from decode_worker.decode_loop import LINK_SAMPLE_BYTES
-from pdserve.protocol import generate_pb2
 from tests.cluster.harness import WORKER_FLAGS, assert_no_leaks, generation_stub, worker_stats
 
 REQUESTS = [

@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.chaos.processes import stop_all
-from pdserve.grpc_common import insecure_channel
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from common.grpc_common import insecure_channel
+from common.protocol import generate_pb2, generate_pb2_grpc
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import assert_no_leaks, start_router, start_workers, worker_stats
 from tests.cluster.test_cluster_outputs import read_results, run_cli
 

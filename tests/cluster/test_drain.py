@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.chaos.processes import stop_all
-from pdserve.grpc_common import LIVENESS_SERVICE
-from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from common.grpc_common import LIVENESS_SERVICE
+from common.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import Proc, free_port, generation_stub, start_router, start_worker
 from tests.cluster.test_cluster_failures import long_request
 

@@ -6,7 +6,7 @@ and the workers end with no KV block, request or lease held. One cluster per fam
 """
 import pytest
 
-from pdserve.chaos.processes import stop_all
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import assert_no_leaks, generate_routed, start_router, start_workers
 from tests.conftest import hf_greedy
 from tests.engine.test_phi3 import tiny_phi3

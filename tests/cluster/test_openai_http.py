@@ -17,10 +17,10 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from common.client import build_request, generate_one
+from common.grpc_common import insecure_channel
+from common.protocol import generate_pb2_grpc
 from engine.sampling_params import SamplingParams
-from pdserve.client import build_request, generate_one
-from pdserve.grpc_common import insecure_channel
-from pdserve.protocol import generate_pb2_grpc
 from tests.cluster.harness import assert_no_leaks, free_port, start_router, start_worker
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

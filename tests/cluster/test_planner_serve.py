@@ -14,9 +14,9 @@ import re
 import time
 import urllib.request
 
+from loadtest.chaos.processes import ManagedProcess
 from loadtest.config import DatasetConfig, LoadTestConfig
 from loadtest.runner import run
-from pdserve.chaos.processes import ManagedProcess
 from planner.router_metrics import parse_router_metrics
 from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value
 

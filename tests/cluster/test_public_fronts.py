@@ -20,10 +20,10 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.client import build_request
+from common.protocol import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from engine.block_hash import hash_full_blocks
 from engine.sampling_params import SamplingParams
-from pdserve.client import build_request
-from pdserve.protocol import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.request_builder import effective_cache_salt
 from tests.cluster.harness import assert_no_leaks, free_port, start_router
 from tests.tls_certs import make_tls_files

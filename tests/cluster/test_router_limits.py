@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.protocol import generate_pb2
+from common.protocol import generate_pb2
 from tests.cluster.harness import free_port, generation_stub, start_router
 
 MAX_N = 16

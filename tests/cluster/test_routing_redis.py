@@ -38,7 +38,7 @@ def suffix() -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir, tmp_path_factory):
-    from pdserve.cluster_auth import write_secret_file
+    from common.cluster_auth import write_secret_file
     redis_server = RedisServer(free_port()).start()
     secret = write_secret_file(str(tmp_path_factory.mktemp("secret")))  # as in production: events signed
     registry = ["--redis-url", redis_server.url, "--registry-ttl-s", str(TTL_S), "--cluster-secret-file", secret]
@@ -108,8 +108,8 @@ def test_two_routers_route_a_sequence_identically(cluster):
 def test_kv_events_in_redis_are_signed_by_their_worker(cluster):
     import redis
 
-    from pdserve import redis_keys
-    from pdserve.cluster_auth import ClusterAuthConfig, events
+    from common import redis_keys
+    from common.cluster_auth import ClusterAuthConfig, events
     key = ClusterAuthConfig(cluster["secret"]).load().events
     client = redis.Redis.from_url(cluster["redis"].url)
     try:

@@ -15,7 +15,7 @@ import grpc
 import psutil
 import pytest
 
-from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from common.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster.harness import WORKER_FLAGS, free_port, generation_stub, metric_value, start
 
 

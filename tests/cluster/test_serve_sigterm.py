@@ -12,7 +12,7 @@ import grpc
 import psutil
 import pytest
 
-from pdserve.protocol import generate_pb2
+from common.protocol import generate_pb2
 from tests.cluster.harness import WORKER_FLAGS, Proc, generation_stub, start
 from tests.cluster.test_drain import LongGeneration, health
 

@@ -10,7 +10,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from pdserve.chaos.processes import stop_all
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, metric_value, start_router, start_worker
 
 # Text that repeats itself, so the n-gram proposer finds what comes next in the prompt.

@@ -8,7 +8,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from pdserve.chaos.processes import stop_all
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import assert_no_leaks, generate_routed, start_router, start_worker, worker_stats
 
 PROMPTS = [[1 + (13 * i) % 3000 for i in range(70)], list(range(200, 240)), [5, 6, 7] * 15]

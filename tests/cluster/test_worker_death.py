@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from pdserve.protocol import generate_pb2
+from common.protocol import generate_pb2
 from tests.cluster.harness import assert_no_leaks, generation_stub, metric_value
 from tests.cluster.test_cluster_failures import everyone, long_request
 

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from common.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster.harness import assert_no_leaks, start_worker, worker_stats
 
 PROMPT = list(range(1000, 1040))

@@ -16,8 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.cluster_auth.tls import InternalTLSConfig
 from kv_transfer.tls import KVTLSFiles
-from pdserve.cluster_auth.tls import InternalTLSConfig
 from tests.cluster.test_serve import serve_over_mutual_tls
 from tests.helm.chart import CHART, by_kind, objects, template, values_args
 from tests.helm.kube_api import KubeAPI

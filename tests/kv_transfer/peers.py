@@ -43,7 +43,7 @@ def config_for(backend: str, **overrides):
 def kv_tls_files(name: str = "worker", ca: str = "ca") -> tuple[str, str, str]:
     """(cert, key, CA) of a certificate ``name`` from a throwaway CA ``ca``, made once per test run
     in a directory named by ``$PDSERVE_TEST_KV_PKI`` (child processes inherit it)."""
-    from pdserve.cluster_auth.dev_pki import make_ca, make_cert
+    from common.cluster_auth.dev_pki import make_ca, make_cert
     root = os.environ.get("PDSERVE_TEST_KV_PKI")
     if root is None:
         root = os.environ["PDSERVE_TEST_KV_PKI"] = tempfile.mkdtemp(prefix="pdserve-kv-pki-")

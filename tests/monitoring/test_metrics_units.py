@@ -5,7 +5,7 @@ import urllib.request
 
 from prometheus_client import generate_latest
 
-from pdserve.metrics_http import MetricsServer
+from common.metrics_http import MetricsServer
 from worker_runtime.metrics import WorkerMetrics
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"

@@ -15,10 +15,10 @@ import time
 import grpc
 import pytest
 
+from common.protocol import generate_pb2
+from loadtest.chaos.processes import stop_all
 from loadtest.config import DatasetConfig, LoadTestConfig
 from loadtest.runner import run
-from pdserve.chaos.processes import stop_all
-from pdserve.protocol import generate_pb2
 from router.metrics import LATENCY_BUCKETS
 from tests.cluster.harness import free_port, generation_stub, start_router, start_worker
 from tests.monitoring.planner_process import SLO_ITL_MS, SLO_TTFT_MS, fake_kube_with_pools, start_planner

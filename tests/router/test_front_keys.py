@@ -10,7 +10,7 @@ import urllib.request
 import grpc
 import pytest
 
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from common.protocol import generate_pb2, generate_pb2_grpc
 from tests.cluster.harness import free_port, start
 
 OLD = "sk-old-0123456789abcdef"

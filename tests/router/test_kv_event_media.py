@@ -4,8 +4,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
+from common.protocol import kv_events_from_proto, kv_events_to_proto, worker_pb2
 from engine.kv_events import AllCleared, BlockRemoved, BlockStored
-from pdserve.protocol import kv_events_from_proto, kv_events_to_proto, worker_pb2
 from router.kv_feeds import KvFeeds
 from router.kv_index import KvIndex
 from router.routing_metrics import RoutingMetrics

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
+from common import redis_client, redis_keys
+from common.cluster_auth import events as cluster_events
+from common.protocol import kv_events_to_proto, worker_pb2
 from engine.block_hash import hash_full_blocks
 from engine.kv_events import BlockRemoved, BlockStored
-from pdserve import redis_client, redis_keys
-from pdserve.cluster_auth import events as cluster_events
-from pdserve.protocol import kv_events_to_proto, worker_pb2
 from router.kv_feeds import KvFeeds
 from router.kv_index import KvIndex
 from router.worker_pool import WorkerClient

@@ -4,7 +4,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.protocol import generate_pb2
+from common.protocol import generate_pb2
 from router.config import RouterConfig
 from router.migration import MigrationReason, SampleProgress, migration_reason
 from tests.router.test_worker_selector import HASHES, PROMPT, make

@@ -9,9 +9,9 @@ import grpc
 import pytest
 import redis
 
+from common import redis_client
+from common.client import build_request
 from engine.sampling_params import SamplingParams
-from pdserve import redis_client
-from pdserve.client import build_request
 from tests.cluster.harness import free_port, generation_stub, start, start_worker
 from tests.redis_server import RedisServer
 from worker_runtime.redis_presence import RedisPresence

@@ -139,7 +139,7 @@ def test_prefill_speed_is_learnt_from_observed_calls():
 
 
 def test_selector_sends_a_returning_prompt_to_the_decode_worker_holding_it_and_skips_prefill():
-    from pdserve.protocol import worker_pb2
+    from common.protocol import worker_pb2
     from router.admission import AdmissionQueue
     from router.kv_index import KvIndex
     from router.worker_pool import WorkerPool

@@ -3,8 +3,8 @@ import asyncio
 
 import pytest
 
+from common.protocol import worker_pb2
 from engine.block_hash import hash_full_blocks
-from pdserve.protocol import worker_pb2
 from router.admission import AdmissionQueue, AdmissionRejected
 from router.kv_index import KvIndex
 from router.routing_policy import RoutingPolicy

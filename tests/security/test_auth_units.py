@@ -7,10 +7,10 @@ import stat
 
 import pytest
 
+from common.cluster_auth import ClusterAuthConfig, ClusterKeys, handles, registrations, tokens, write_secret_file
+from common.cluster_auth.secret import ENV_FILE, ENV_VALUE, secret_file_for_cluster
+from common.protocol import worker_pb2
 from kv_transfer import auth as kv_auth
-from pdserve.cluster_auth import ClusterAuthConfig, ClusterKeys, handles, registrations, tokens, write_secret_file
-from pdserve.cluster_auth.secret import ENV_FILE, ENV_VALUE, secret_file_for_cluster
-from pdserve.protocol import worker_pb2
 
 KEYS = ClusterKeys.from_secret(b"s" * 32)
 OTHER = ClusterKeys.from_secret(b"t" * 32)
@@ -147,8 +147,8 @@ def test_kv_handshake_proofs_and_capabilities():
 
 
 def test_binding_beyond_loopback_without_a_secret_warns(caplog):
-    from pdserve.cluster_auth.secret import warn_if_exposed
-    with caplog.at_level("WARNING", logger="pdserve.cluster_auth.secret"):
+    from common.cluster_auth.secret import warn_if_exposed
+    with caplog.at_level("WARNING", logger="common.cluster_auth.secret"):
         warn_if_exposed("decode worker gRPC", "127.0.0.1", None)
         warn_if_exposed("decode worker gRPC", "0.0.0.0", KEYS)
         assert not caplog.records
@@ -166,7 +166,7 @@ def test_worker_proof():
 
 
 def test_tls_config_wants_all_three_files(tmp_path):
-    from pdserve.cluster_auth.tls import InternalTLSConfig
+    from common.cluster_auth.tls import InternalTLSConfig
     pem = tmp_path / "x.pem"
     pem.write_text("x")
     assert not InternalTLSConfig().enabled

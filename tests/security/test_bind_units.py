@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from common.cluster_auth import ClusterAuthConfig
+from common.cluster_auth.secret import write_secret_file
 from kv_transfer.nixl_devices import UCX_NET_DEVICES, interface_of, ucx_devices_for, ucx_net_devices
 from pdserve.cluster import ClusterConfig, RayCluster
-from pdserve.cluster_auth import ClusterAuthConfig
-from pdserve.cluster_auth.secret import write_secret_file
 from pdserve.cluster_placement import NodeSlot, free_ports
 from pdserve.ray_network import check_ray_auth
 from router.config import RouterConfig

@@ -20,9 +20,9 @@ import urllib.request
 import grpc
 import pytest
 
-from pdserve import metrics_http
-from pdserve.chaos.processes import stop_all
-from pdserve.protocol import generate_pb2, generate_pb2_grpc
+from common import metrics_http
+from common.protocol import generate_pb2, generate_pb2_grpc
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import free_port, start_router, start_workers
 
 KEY = "sk-front-0123456789abcdef"

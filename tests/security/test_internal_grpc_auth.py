@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdserve.chaos.processes import stop_all
-from pdserve.cluster_auth import ClusterAuthConfig, handles, tokens, write_secret_file
-from pdserve.cluster_auth.grpc_auth import METADATA_KEY
-from pdserve.grpc_common import WORKER_MAX_REQUEST_BYTES
-from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from common.cluster_auth import ClusterAuthConfig, handles, tokens, write_secret_file
+from common.cluster_auth.grpc_auth import METADATA_KEY
+from common.grpc_common import WORKER_MAX_REQUEST_BYTES
+from common.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import generation_stub, start_router, start_workers
 
 PROMPT = list(range(1000, 1040))

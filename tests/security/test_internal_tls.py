@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.chaos.processes import stop_all
-from pdserve.cluster_auth.dev_pki import make_ca, make_cert
-from pdserve.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from common.cluster_auth.dev_pki import make_ca, make_cert
+from common.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from loadtest.chaos.processes import stop_all
 from tests.cluster.harness import generation_stub, start_router, start_worker, start_workers
 
 PROMPT = list(range(2000, 2030))
@@ -31,7 +31,7 @@ def pki(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tls_cluster(smollm2_dir, pki, tmp_path_factory):
-    from pdserve.cluster_auth import write_secret_file
+    from common.cluster_auth import write_secret_file
     secret = write_secret_file(str(tmp_path_factory.mktemp("secret")))
     worker_tls = ["--tls-cert", str(pki / "worker.pem"), "--tls-key", str(pki / "worker.key"),
                   "--tls-ca", str(pki / "ca.pem"), "--cluster-secret-file", secret]
@@ -88,9 +88,9 @@ def test_a_pool_certificate_is_checked_by_its_name_not_the_address(pki, tmp_path
     not the pod IPs the router dials: the router checks that name (--worker-tls-server-name)."""
     import asyncio
 
-    from pdserve.cluster_auth import ClusterAuthConfig, write_secret_file
-    from pdserve.cluster_auth.grpc_auth import worker_channel
-    from pdserve.cluster_auth.tls import InternalTLSConfig
+    from common.cluster_auth import ClusterAuthConfig, write_secret_file
+    from common.cluster_auth.grpc_auth import worker_channel
+    from common.cluster_auth.tls import InternalTLSConfig
     make_cert(pki, "ca", "pool", names="DNS:pdserve-internal")
     secret = write_secret_file(str(tmp_path))
     worker = start_worker("decode", "--tls-cert", str(pki / "pool.pem"), "--tls-key", str(pki / "pool.key"),

@@ -16,9 +16,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdserve import redis_keys
-from pdserve.cluster_auth import write_secret_file
-from pdserve.protocol import generate_pb2
+from common import redis_keys
+from common.cluster_auth import write_secret_file
+from common.protocol import generate_pb2
 from tests.cluster.harness import free_port, generation_stub, start, start_router, start_workers
 from tests.redis_server import RedisServer
 from tests.security.test_internal_grpc_auth import params

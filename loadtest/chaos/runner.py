@@ -21,15 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.cluster_auth.secret import write_secret_file
+from loadtest.chaos.config import ChaosConfig
+from loadtest.chaos.faults import FaultRecord, inject, wait_back
+from loadtest.chaos.leaks import wait_until_idle
+from loadtest.chaos.processes import ManagedProcess
+from loadtest.chaos.report import table, verdict
+from loadtest.chaos.schedule import fault_plan
 from loadtest.datasets import load_prompts
 from loadtest.runner import run_async
-from pdserve.chaos.config import ChaosConfig
-from pdserve.chaos.faults import FaultRecord, inject, wait_back
-from pdserve.chaos.leaks import wait_until_idle
-from pdserve.chaos.processes import ManagedProcess
-from pdserve.chaos.report import table, verdict
-from pdserve.chaos.schedule import fault_plan
-from pdserve.cluster_auth.secret import write_secret_file
 
 
 class ChaosCluster:

@@ -6,7 +6,7 @@ import argparse
 import math
 import shlex
 
-from pdserve.chaos.config import FAULTS, ROLES, ChaosConfig
+from loadtest.chaos.config import FAULTS, ROLES, ChaosConfig
 
 DEFAULT_WORKER_ARGS = "--dtype float32 --kv-cache-memory-gib 0.5 --num-threads 1"
 
@@ -51,7 +51,7 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
 
 def prepare(args: argparse.Namespace):
     config = config_from_args(args)
-    from pdserve.chaos.runner import run_chaos
+    from loadtest.chaos.runner import run_chaos
     return lambda: run_chaos(config)
 
 

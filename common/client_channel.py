@@ -11,7 +11,7 @@ import os
 
 import grpc
 
-from pdserve.grpc_common import CHANNEL_OPTIONS
+from common.grpc_common import CHANNEL_OPTIONS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 

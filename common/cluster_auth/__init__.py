@@ -8,7 +8,7 @@
 The KV transfer control channel has its own challenge-response (`kv_transfer.auth`), keyed by
 `ClusterKeys.kv`.
 """
-from pdserve.cluster_auth import handles, tokens
-from pdserve.cluster_auth.secret import ClusterAuthConfig, ClusterKeys, write_secret_file
+from common.cluster_auth import handles, tokens
+from common.cluster_auth.secret import ClusterAuthConfig, ClusterKeys, write_secret_file
 
 __all__ = ["ClusterAuthConfig", "ClusterKeys", "handles", "tokens", "write_secret_file"]

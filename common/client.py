@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from pdserve.client_channel import api_key, client_channel
-from pdserve.jsonl_requests import LineError, LineRequest, read_requests, result_line
-from pdserve.protocol import (
+from common.client_channel import api_key, client_channel
+from common.jsonl_requests import LineError, LineRequest, read_requests, result_line
+from common.protocol import (
     finish_reason_name,
     generate_pb2,
     generate_pb2_grpc,
@@ -24,6 +23,7 @@ from pdserve.protocol import (
     params_to_proto,
     usage_from_proto,
 )
+from engine.sampling_params import SamplingParams
 
 
 @dataclass

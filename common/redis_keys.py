@@ -12,7 +12,7 @@ PREFIX = "pdserve"
 WORKER_PATTERN = f"{PREFIX}:worker:*"
 BATCH_FIELD = b"batch"
 SIGNATURE_FIELD = b"sig"
-"""HMAC of the batch under the cluster secret (see pdserve/cluster_auth/events.py); absent without one."""
+"""HMAC of the batch under the cluster secret (see common/cluster_auth/events.py); absent without one."""
 
 
 def worker_key(address: str) -> str:

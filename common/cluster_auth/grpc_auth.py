@@ -15,8 +15,8 @@ from collections.abc import Collection, Sequence
 
 import grpc
 
-from pdserve.cluster_auth import tokens
-from pdserve.grpc_common import CHANNEL_OPTIONS
+from common.cluster_auth import tokens
+from common.grpc_common import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 METADATA_KEY = "x-pdserve-cluster-token"

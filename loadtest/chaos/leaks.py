@@ -6,15 +6,15 @@ import time
 
 import grpc
 
-from pdserve.protocol import worker_pb2, worker_pb2_grpc
+from common.protocol import worker_pb2, worker_pb2_grpc
 
 
 def worker_stats(address: str, secret_file: str | None = None, timeout: float = 10) -> worker_pb2.WorkerStats:
     """GetStats of a worker; with the cluster secret's file, the call carries a cluster token."""
     metadata = None
     if secret_file is not None:
-        from pdserve.cluster_auth import ClusterAuthConfig, tokens
-        from pdserve.cluster_auth.grpc_auth import METADATA_KEY
+        from common.cluster_auth import ClusterAuthConfig, tokens
+        from common.cluster_auth.grpc_auth import METADATA_KEY
         key = ClusterAuthConfig(secret_file).load().grpc
         token = tokens.mint(key, "/pdserve.v1.Worker/GetStats", address, worker_pb2.StatsRequest().SerializeToString())
         metadata = [(METADATA_KEY, token)]

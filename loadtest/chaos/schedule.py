@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from pdserve.chaos.config import STOPPABLE_ROLES, ChaosConfig
+from loadtest.chaos.config import STOPPABLE_ROLES, ChaosConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.grpc_invalid_messages import InvalidMessages
+from common.grpc_invalid_messages import InvalidMessages
 
 MAX_MESSAGE_BYTES = 64 << 20
 WORKER_MAX_REQUEST_BYTES = 16 << 20
@@ -30,7 +30,7 @@ LIVENESS_SERVICE = "liveness"
 
 def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
     """A server refusing request messages over `max_receive_bytes` (RESOURCE_EXHAUSTED) and those protobuf
-    cannot parse (INVALID_ARGUMENT, pdserve/grpc_invalid_messages.py)."""
+    cannot parse (INVALID_ARGUMENT, common/grpc_invalid_messages.py)."""
     return grpc.aio.server(interceptors=[InvalidMessages()],
                            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                     ("grpc.max_receive_message_length", max_receive_bytes)])

@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.chaos.config import ChaosConfig
-from pdserve.chaos.processes import ManagedProcess
+from loadtest.chaos.config import ChaosConfig
+from loadtest.chaos.processes import ManagedProcess
 
 
 @dataclass
