@@ -9,7 +9,6 @@ blocks are released here, on the engine thread, at the next poll.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
@@ -24,7 +23,8 @@ from worker_runtime.engine_loop import EngineLoop
 class PrefillResult:
     first: SampleDelta
     """The first token (finished=True when it already ended the request)."""
-    peer_info_json: str = ""
+    peer_info: dict | None = None
+    """The KV sender's `peer_info()` (the handle's `peer`)."""
     transfer_id: str = ""
     block_ids: list[int] | None = None
     capability: str = ""
@@ -35,7 +35,7 @@ class PrefillLoop(EngineLoop):
     def __init__(self, engine: LLMEngine, aio_loop: asyncio.AbstractEventLoop, sender: KVSender) -> None:
         super().__init__(engine, aio_loop)
         self.sender = sender
-        self._peer_info_json = json.dumps(sender.peer_info())
+        self._peer_info = sender.peer_info()
         self._waiting: dict[str, tuple[asyncio.Future, float]] = {}
         self._leases: dict[str, Transfer] = {}
         """Request id -> the sender's transfer holding its blocks (its deadline is the lease's)."""
@@ -82,7 +82,7 @@ class PrefillLoop(EngineLoop):
             transfer_id = delta.request_id
             transfer = self.sender.expect(transfer_id, delta.kv_block_ids, timeout_s=lease_s)
             self._leases[delta.request_id] = transfer
-            result = PrefillResult(delta, self._peer_info_json, transfer_id, delta.kv_block_ids,
+            result = PrefillResult(delta, self._peer_info, transfer_id, delta.kv_block_ids,
                                    transfer.capability)
         self._resolve(future, result=result)
 

@@ -16,6 +16,7 @@ from engine.sampling_params import InvalidParameter
 from kv_transfer import make_sender
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.errors import WorkerError
+from worker_runtime.kv_handle import peer_to_proto
 from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import abort_with
 
@@ -56,7 +57,7 @@ class PrefillRole(WorkerRole):
                 response.finish_reason = FINISH_REASONS[first.finish_reason]
             else:
                 response.kv.CopyFrom(worker_pb2.KVHandle(
-                    peer_info_json=result.peer_info_json, transfer_id=result.transfer_id,
+                    peer=peer_to_proto(result.peer_info), transfer_id=result.transfer_id,
                     block_ids=result.block_ids, num_tokens=len(request.prompt_token_ids),
                     worker_address=servicer.address, capability=result.capability))
             return response

@@ -2,8 +2,9 @@
 
 The handle (`worker_pb2.KVHandle`) is caller input on the decode worker (a router relays it), so each
 field is checked here and a bad one is refused as `InvalidParameter` naming it (INVALID_ARGUMENT):
-  peer_info_json  a JSON object as `KVSender.peer_info()` writes it: host, port in [1, 65535], instance
-                  id, and the data paths (`modes`, or the older single `backend`)
+  peer            the prefill worker's KV sender (`KVPeer`, typed: `KVSender.peer_info()` field by field):
+                  host, port in [1, 65535], instance id, the data paths (`modes`, or its `backend`),
+                  every string bounded
   transfer_id     1 to MAX_TRANSFER_ID_CHARS characters
   block_ids       non-empty, distinct, each in [0, MAX_BLOCK_ID]
   capability      at most MAX_TRANSFER_ID_CHARS characters (the sender's per-transfer secret)
@@ -12,12 +13,14 @@ Whether the handle was signed by a router of the cluster is checked before this
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
+from common.protocol import worker_pb2
 from engine.sampling_params import InvalidParameter
 
-MAX_PEER_INFO_CHARS = 4096
+MAX_HOST_CHARS = 255
+MAX_NAME_CHARS = 32
+MAX_MODES = 8
 MAX_TRANSFER_ID_CHARS = 256
 MAX_BLOCK_ID = 2**31 - 1
 
@@ -37,30 +40,39 @@ class KVSource:
     def from_handle(cls, handle, first_token_id: int) -> KVSource:
         """Parse a KVHandle; raises InvalidParameter naming the field (the handle is caller input)."""
         _need(len(handle.capability) <= MAX_TRANSFER_ID_CHARS, "kv.capability", "too long")
-        return cls(parse_peer_info(handle.peer_info_json), check_transfer_id(handle.transfer_id),
+        _need(handle.HasField("peer"), "kv.peer", "missing")
+        return cls(parse_peer(handle.peer), check_transfer_id(handle.transfer_id),
                    check_block_ids(list(handle.block_ids)), first_token_id, handle.capability)
 
 
-def parse_peer_info(text: str) -> dict:
-    """`kv.peer_info_json`: a JSON object as `KVSender.peer_info()` writes it (host, port, instance id,
-    data paths). Anything else is refused here, before it reaches the engine thread."""
-    name = "kv.peer_info_json"
-    _need(len(text) <= MAX_PEER_INFO_CHARS, name, f"longer than {MAX_PEER_INFO_CHARS} characters")
-    try:
-        info = json.loads(text)
-    except ValueError:
-        raise InvalidParameter(name, "not JSON") from None
-    _need(isinstance(info, dict), name, f"must be a JSON object, got {type(info).__name__}")
-    _need(isinstance(info.get("host"), str) and info["host"], f"{name}.host", "must be a non-empty string")
-    port = info.get("port")
-    _need(type(port) is int and 0 < port <= 65535, f"{name}.port", "must be an integer in [1, 65535]")
-    _need(isinstance(info.get("instance_id", ""), str), f"{name}.instance_id", "must be a string")
-    modes = info.get("modes")
-    if modes is not None:
-        _need(isinstance(modes, list) and modes and all(isinstance(m, str) for m in modes),
-              f"{name}.modes", "must be a non-empty list of strings")
-    else:
-        _need(isinstance(info.get("backend"), str), f"{name}.backend", "modes or backend must name a data path")
+def peer_to_proto(info: dict) -> worker_pb2.KVPeer:
+    """The prefill side: `KVSender.peer_info()` as the handle's typed `peer`."""
+    return worker_pb2.KVPeer(host=info["host"], port=info["port"], instance_id=str(info.get("instance_id", "")),
+                             modes=info.get("modes") or [], backend=info.get("backend", ""),
+                             protocol_version=info.get("protocol_version", 0),
+                             compat_hash=info.get("compat_hash", ""), tls=bool(info.get("tls")),
+                             ipc_host=info.get("ipc_host", ""))
+
+
+def parse_peer(peer: worker_pb2.KVPeer) -> dict:
+    """`kv.peer` checked, as the dict kv_transfer's receiver reads (`KVSender.peer_info()`'s keys; ipc_host
+    only when set). Anything else is refused here, before it reaches the engine thread."""
+    name = "kv.peer"
+    _need(0 < len(peer.host) <= MAX_HOST_CHARS, f"{name}.host", f"must have 1 to {MAX_HOST_CHARS} characters")
+    _need(0 < peer.port <= 65535, f"{name}.port", "must be in [1, 65535]")
+    _need(len(peer.instance_id) <= MAX_TRANSFER_ID_CHARS, f"{name}.instance_id", "too long")
+    _need(len(peer.modes) <= MAX_MODES and all(0 < len(m) <= MAX_NAME_CHARS for m in peer.modes),
+          f"{name}.modes", f"at most {MAX_MODES} names of 1 to {MAX_NAME_CHARS} characters")
+    _need(bool(peer.modes) or 0 < len(peer.backend) <= MAX_NAME_CHARS, f"{name}.modes",
+          "modes or backend must name a data path")
+    _need(len(peer.backend) <= MAX_NAME_CHARS, f"{name}.backend", "too long")
+    _need(len(peer.compat_hash) <= MAX_TRANSFER_ID_CHARS, f"{name}.compat_hash", "too long")
+    _need(len(peer.ipc_host) <= MAX_HOST_CHARS, f"{name}.ipc_host", "too long")
+    info = {"backend": peer.backend, "modes": list(peer.modes) or None, "host": peer.host, "port": peer.port,
+            "instance_id": peer.instance_id, "protocol_version": peer.protocol_version,
+            "compat_hash": peer.compat_hash, "tls": peer.tls}
+    if peer.ipc_host:
+        info["ipc_host"] = peer.ipc_host
     return info
 
 

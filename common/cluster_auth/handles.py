@@ -20,8 +20,9 @@ def prompt_digest(prompt_token_ids: Sequence[int]) -> bytes:
 
 
 def _message(handle, prompt_token_ids: Sequence[int]) -> bytes:
-    fields = [handle.peer_info_json, handle.transfer_id, handle.capability, list(handle.block_ids),
-              handle.num_tokens, handle.worker_address, prompt_digest(prompt_token_ids).hex()]
+    peer = handle.peer.SerializeToString(deterministic=True).hex()  # the typed KVPeer, canonically encoded
+    fields = [peer, handle.transfer_id, handle.capability, list(handle.block_ids), handle.num_tokens,
+              handle.worker_address, prompt_digest(prompt_token_ids).hex()]
     return json.dumps(fields, separators=(",", ":")).encode()
 
 

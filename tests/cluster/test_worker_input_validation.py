@@ -78,13 +78,14 @@ def test_malformed_kv_handles_fail_their_call_only(decode_worker):
         time.sleep(0.05)
     assert all(s.tokens for s in streams), "the streams never started"
 
-    good_info = '{"backend": "tcp", "modes": ["tcp"], "host": "127.0.0.1", "port": 9, "instance_id": "x"}'
+    good_info = worker_pb2.KVPeer(backend="tcp", modes=["tcp"], host="127.0.0.1", port=9, instance_id="x")
     bad = {
-        "kv.peer_info_json": dict(peer_info_json="[]"),
-        "kv.peer_info_json.port": dict(peer_info_json='{"host": "h", "port": "9", "modes": ["tcp"]}'),
-        "kv.peer_info_json.host": dict(peer_info_json='{"port": 9, "modes": ["tcp"]}'),
-        "kv.block_ids": dict(peer_info_json=good_info, block_ids=[-1] * num_blocks),
-        "kv.transfer_id": dict(peer_info_json=good_info, transfer_id=""),
+        "kv.peer": dict(),
+        "kv.peer.port": dict(peer=worker_pb2.KVPeer(host="h", port=70000, modes=["tcp"])),
+        "kv.peer.host": dict(peer=worker_pb2.KVPeer(port=9, modes=["tcp"])),
+        "kv.peer.modes": dict(peer=worker_pb2.KVPeer(host="h", port=9)),
+        "kv.block_ids": dict(peer=good_info, block_ids=[-1] * num_blocks),
+        "kv.transfer_id": dict(peer=good_info, transfer_id=""),
     }
     for field, handle in bad.items():
         kv = worker_pb2.KVHandle(**{"transfer_id": "t", "block_ids": list(range(num_blocks)), **handle})
@@ -93,7 +94,7 @@ def test_malformed_kv_handles_fail_their_call_only(decode_worker):
         code, details = decode_code(address, request)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, code, details)
         assert details.startswith(field + ":"), details
-    kv = worker_pb2.KVHandle(peer_info_json=good_info, transfer_id="t", block_ids=list(range(num_blocks)))
+    kv = worker_pb2.KVHandle(peer=good_info, transfer_id="t", block_ids=list(range(num_blocks)))
     for first in (49152, 1 << 40):  # first token outside the vocabulary
         request = worker_pb2.DecodeRequest(request_id=f"bad-first-{first}", prompt_token_ids=PROMPT,
                                            params=params(max_tokens=4), first_token_id=first, kv=kv)

@@ -104,7 +104,7 @@ def test_worker_registrations_are_signed():
 
 
 def _handle(**changes) -> worker_pb2.KVHandle:
-    fields = dict(peer_info_json='{"host":"10.0.0.1","port":5}', transfer_id="req-1", capability="ab" * 16,
+    fields = dict(peer=worker_pb2.KVPeer(host="10.0.0.1", port=5), transfer_id="req-1", capability="ab" * 16,
                   block_ids=[3, 4, 5], num_tokens=40, worker_address="10.0.0.1:7")
     return worker_pb2.KVHandle(**{**fields, **changes})
 
@@ -117,7 +117,9 @@ def test_handle_signature_binds_every_field_and_the_prompt():
     assert handles.verify(KEYS.handle, signed, prompt)
     assert not handles.verify(OTHER.handle, signed, prompt)
     assert not handles.verify(KEYS.handle, signed, prompt[:-1] + [99])  # another prompt
-    for change in (dict(peer_info_json='{"host":"evil","port":5}'), dict(transfer_id="req-2"),
+    for change in (dict(peer=worker_pb2.KVPeer(host="evil", port=5)),
+                   dict(peer=worker_pb2.KVPeer(host="10.0.0.1", port=6)),
+                   dict(peer=worker_pb2.KVPeer(host="10.0.0.1", port=5, tls=True)), dict(transfer_id="req-2"),
                    dict(capability="cd" * 16), dict(block_ids=[3, 4, 6]), dict(num_tokens=41),
                    dict(worker_address="10.0.0.2:7")):
         tampered = _handle(**change)

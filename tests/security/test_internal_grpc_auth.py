@@ -4,7 +4,6 @@ a router holding the secret serves requests; a decode worker refuses a KV handle
 sign for that prompt (INVALID_ARGUMENT), without dialing it, failing others or leaking blocks."""
 from __future__ import annotations
 
-import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -218,7 +217,7 @@ def test_decode_refuses_handles_no_router_signed(cluster, keys):
                                                                params=params(max_tokens=6, ignore_eos=True)),
                  keys.grpc)
     handle = first.kv
-    assert len(handle.capability) == 32 and handle.capability not in handle.peer_info_json
+    assert len(handle.capability) == 32 and handle.capability not in str(handle.peer)
     bait = socket.create_server(("127.0.0.1", 0))  # where a forged handle points: nobody may dial it
     bait.settimeout(0.5)
 
@@ -232,7 +231,7 @@ def test_decode_refuses_handles_no_router_signed(cluster, keys):
     handles.sign(keys.handle, signed, PROMPT)
     forged = worker_pb2.KVHandle()
     forged.CopyFrom(signed)
-    forged.peer_info_json = json.dumps({**json.loads(handle.peer_info_json), "port": bait.getsockname()[1]})
+    forged.peer.port = bait.getsockname()[1]
     wrong_key = worker_pb2.KVHandle()
     wrong_key.CopyFrom(handle)
     handles.sign(b"x" * 32, wrong_key, PROMPT)
