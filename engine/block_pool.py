@@ -5,6 +5,10 @@ queue: blocks without a hash at the front (reused first), freed cached blocks
 at the back in the order they were freed, so the least recently used cached
 block is evicted first. A freed cached block keeps its hash until it is
 evicted, so a later request with the same prefix revives it.
+
+A pool for a sliding-window model (`null_block=True`) sets block NULL_BLOCK aside: block tables
+put it where a block behind every query's window was released. It is never handed out, referenced,
+cached or written, and not counted as used.
 """
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ from dataclasses import dataclass
 
 from engine.block_hash import NO_PARENT
 from engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+
+NULL_BLOCK = 0
+"""The placeholder block id of a released block-table entry (only in a pool made with `null_block=True`)."""
 
 
 @dataclass
@@ -28,13 +35,15 @@ class KVBlock:
 class BlockPool:
     """Fixed set of `num_blocks` blocks with ref counts and a hash -> block map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError("num_blocks must be >= 1")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, null_block: bool = False) -> None:
+        if num_blocks < 1 + null_block:
+            raise ValueError(f"num_blocks must be >= {1 + null_block}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.num_reserved = int(null_block)
+        """Blocks never handed out: 1 when NULL_BLOCK is set aside, else 0."""
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_reserved, num_blocks))
         self._cached: dict[int, int] = {}
         self.num_evictions = 0
         self.events: list[KVEvent] | None = None
@@ -49,7 +58,12 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_reserved - len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks sequences can hold (all but the null block)."""
+        return self.num_blocks - self.num_reserved
 
     @property
     def num_cached_blocks(self) -> int:
@@ -79,6 +93,7 @@ class BlockPool:
 
     def touch(self, block_id: int) -> None:
         """Add a reference (reviving the block from the free queue if needed)."""
+        self._check_not_null(block_id)
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
@@ -86,6 +101,7 @@ class BlockPool:
 
     def release(self, block_id: int) -> None:
         """Drop a reference; at zero the block becomes free (kept cached if hashed)."""
+        self._check_not_null(block_id)
         block = self.blocks[block_id]
         if block.ref_count <= 0:
             raise RuntimeError(f"block {block_id} released more often than referenced")
@@ -97,6 +113,7 @@ class BlockPool:
 
     def register(self, block_id: int, block_hash: int, token_ids, parent_hash: int = NO_PARENT) -> None:
         """Enter a full, computed block into the prefix cache (first one wins)."""
+        self._check_not_null(block_id)
         if not self.enable_caching or block_hash in self._cached:
             return
         block = self.blocks[block_id]
@@ -128,6 +145,14 @@ class BlockPool:
 
     def is_free(self, block_id: int) -> bool:
         return self.blocks[block_id].ref_count == 0
+
+    def is_null(self, block_id: int) -> bool:
+        """True for the placeholder of a released block-table entry."""
+        return self.num_reserved > 0 and block_id == NULL_BLOCK
+
+    def _check_not_null(self, block_id: int) -> None:
+        if self.is_null(block_id):
+            raise RuntimeError("the null block is never referenced, released or cached")
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""

@@ -10,8 +10,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 SPECULATIVE_METHODS = ("ngram", "draft")
 QUANTIZATIONS = ("int8", "fp8")
 """Weight quantization applied at load to an unquantized checkpoint (engine/model/quantization.py)."""
-CHECKPOINT_QUANTIZATIONS = ("fp8",)
-"""`quantization_config.quant_method`s of checkpoints loaded as they are."""
+CHECKPOINT_QUANTIZATIONS = ("fp8", "mxfp4")
+"""`quantization_config.quant_method`s of checkpoints loaded as they are; mxfp4 only for gpt-oss, whose
+experts it holds (dequantised at load, engine/model/mxfp4.py)."""
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
@@ -128,6 +129,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks (processes; GPUs on CUDA) that split each layer's heads and MLP, and the KV heads of every
     block, as vLLM does (engine/parallel/). Must divide the model's attention and KV head counts."""
+    enable_expert_parallel: bool = False
+    """Mixture-of-Experts models with tensor_parallel_size > 1: each rank holds E / tensor_parallel_size whole
+    experts instead of a slice of every expert; attention stays split by heads
+    (engine/parallel/expert_parallel.py). Refused for a dense model, one rank, or an E the ranks do not split."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -143,6 +148,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("enable_expert_parallel needs tensor_parallel_size > 1 (the ranks the experts are "
+                             f"split over), got {self.tensor_parallel_size}")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

@@ -4,13 +4,33 @@ Check/act pairs in one call: `allocate_slots` either reserves every block a
 step needs (and reports the copy-on-write copies to make) or changes nothing.
 A sequence wastes at most one partly filled block: blocks are added only when
 the tokens being computed reach into them.
+
+Sliding window (`sliding_window`, given only for a model whose every layer slides: Mistral v0.1,
+Phi-3-mini-4k): a query at position p reads the keys p - window < j <= p, so once a sequence's next
+query is at q (its num_computed_tokens: proposals computed past it may be rolled back, never it), the
+blocks lying entirely before q - window + 1 are read by no future query. `release_outside_window`
+releases them and puts NULL_BLOCK (block 0, set aside in the pool, never written) in their table
+entries, so a table keeps its length and token i stays in entry i // block_size; a sequence then holds
+about window / block_size + 1 blocks (plus the chunk it computes). A sequence getting its first blocks
+with `first_query` leaves the blocks before that query's window null instead of adopting or allocating
+them (a prefix hit's early blocks; a decode reservation's blocks behind the prompt's last window).
+The caller decides who releases: the scheduler does for every running request except those whose
+blocks are shipped whole (prefill role). Released blocks stay in the prefix cache until evicted; a hit
+still needs the whole chain of cached blocks from the first (correct, if less than vLLM's rule of
+needing only the last window's).
+
+Hybrid models (some layers slide, some attend to everything: Gemma 2/3, gpt-oss) get no window here:
+one block table serves every layer, so every block stays while any full-attention layer may read it,
+and the sliding layers' KV outside their window is held for nothing (for gpt-oss, which alternates,
+about half of the KV). vLLM's hybrid allocator gives the sliding layers block groups of their own,
+released as above; we do not do that yet.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.block_hash import NO_PARENT, hash_full_blocks
-from engine.block_pool import BlockPool
+from engine.block_pool import NULL_BLOCK, BlockPool
 
 
 @dataclass
@@ -24,13 +44,22 @@ class PrefixHit:
 class KVCacheManager:
     """Owns block tables keyed by sequence id."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.sliding_window = sliding_window
+        """Every layer's window (tokens) when blocks behind it may be released; None: blocks stay until freed."""
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, null_block=sliding_window is not None)
+        self.num_window_released = 0
+        """Blocks released because they fell behind the window (and those never taken for that reason)."""
         self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         self._hashes: dict[str, list[int]] = {}
+        self._num_null: dict[str, int] = {}
+        """Sequence id -> leading entries of its table that hold NULL_BLOCK (absent: none)."""
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
 
@@ -44,6 +73,25 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def num_skipped_blocks(self, first_query: int) -> int:
+        """Leading blocks that no query at position `first_query` or later reads: those lying entirely before
+        first_query - window + 1, the earliest key it sees. 0 without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query - self.sliding_window + 1) // self.block_size
+
+    def num_released(self, seq_id: str) -> int:
+        """Leading entries of the sequence's table that hold NULL_BLOCK (released or never taken)."""
+        return self._num_null.get(seq_id, 0)
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        """Blocks the sequence references (its table less the null entries)."""
+        return len(self.block_tables.get(seq_id, [])) - self.num_released(seq_id)
+
+    def window_intact(self, seq_id: str, first_query: int) -> bool:
+        """True when every key a query at `first_query` (or later) may read has a real block."""
+        return self.num_released(seq_id) <= self.num_skipped_blocks(first_query)
 
     def find_prefix(self, seq_id: str, token_ids: list[int], salt: str = "") -> PrefixHit:
         """Longest run of cached full blocks at the start of `token_ids` (hashed with `salt`:
@@ -70,35 +118,45 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------
     def allocate_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int,
-                       prefix: PrefixHit | None = None) -> list[tuple[int, int]] | None:
+                       prefix: PrefixHit | None = None, first_query: int | None = None) -> list[tuple[int, int]] | None:
         """Reserve blocks so tokens [computed, computed + new) can be written.
 
         `prefix` (only for a sequence without blocks) is adopted first and its
-        tokens count as computed. Returns the (src, dst) block copies needed for
-        copy-on-write, or None, changing nothing, if blocks are short.
+        tokens count as computed. `first_query` (only for a sequence without blocks;
+        with a sliding window): the position of its earliest query from now on; the
+        leading blocks before that query's window are left NULL_BLOCK instead of being
+        adopted or allocated (None: every block is taken). Returns the (src, dst) block
+        copies needed for copy-on-write, or None, changing nothing, if blocks are short.
         """
         table = self.block_tables.get(seq_id, [])
         bs = self.block_size
-        if prefix is None and -(-(num_computed_tokens + num_new_tokens) // bs) <= len(table) and (
-                num_computed_tokens % bs == 0 or self.pool.blocks[table[num_computed_tokens // bs]].ref_count == 1):
+        computed = num_computed_tokens
+        if prefix is None and first_query is None and -(-(computed + num_new_tokens) // bs) <= len(table) and (
+                computed % bs == 0 or self.pool.blocks[table[computed // bs]].ref_count == 1):
             return []  # the common decode step: the blocks exist and the one written is not shared
         prefix = prefix or PrefixHit()
-        if prefix.block_ids and table:
-            raise ValueError(f"{seq_id}: a prefix hit is only for a sequence without blocks")
+        if (prefix.block_ids or first_query is not None) and table:
+            raise ValueError(f"{seq_id}: a prefix hit or first_query is only for a sequence without blocks")
         start = num_computed_tokens + prefix.num_tokens
         end = start + num_new_tokens
-        have = len(table) + len(prefix.block_ids)
+        skip = 0 if first_query is None else min(self.num_skipped_blocks(first_query), self.blocks_needed(end))
+        adopted = prefix.block_ids[skip:]
+        have = len(table) + max(skip, len(prefix.block_ids))
         num_new_blocks = max(0, self.blocks_needed(end) - have)
         cow = bool(num_new_tokens > 0 and start % self.block_size != 0
                    and start // self.block_size < len(table)
                    and self.pool.blocks[table[start // self.block_size]].ref_count > 1)
-        revived = sum(1 for b in prefix.block_ids if self.pool.is_free(b))
+        revived = sum(1 for b in adopted if self.pool.is_free(b))
         if num_new_blocks + int(cow) > self.pool.num_free_blocks - revived:
             return None
-        for block_id in prefix.block_ids:
+        for block_id in adopted:
             self.pool.touch(block_id)
         table = self.block_tables.setdefault(seq_id, table)
-        table.extend(prefix.block_ids)
+        table.extend([NULL_BLOCK] * skip)
+        table.extend(adopted)
+        if skip:
+            self._num_null[seq_id] = skip
+            self.num_window_released += skip
         if prefix.block_ids:
             self._num_registered[seq_id] = len(prefix.block_ids)
         copies = []
@@ -117,9 +175,11 @@ class KVCacheManager:
         if child_id in self.block_tables:
             raise ValueError(f"{child_id} already has blocks")
         table = list(self.block_tables.get(parent_id, []))
-        for block_id in table:
+        for block_id in table[self.num_released(parent_id):]:
             self.pool.touch(block_id)
         self.block_tables[child_id] = table
+        if parent_id in self._num_null:
+            self._num_null[child_id] = self._num_null[parent_id]
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
         if parent_id in self._hashes:
             self._hashes[child_id] = list(self._hashes[parent_id])
@@ -136,10 +196,28 @@ class KVCacheManager:
         hashes = self._hashes_for(seq_id, token_ids[:num_full * self.block_size], salt)
         table = self.block_tables[seq_id]
         bs = self.block_size
-        for i in range(done, num_full):
+        for i in range(max(done, self.num_released(seq_id)), num_full):  # a released block's KV is gone
             self.pool.register(table[i], hashes[i], token_ids[i * bs:(i + 1) * bs],
                                hashes[i - 1] if i else NO_PARENT)
         self._num_registered[seq_id] = num_full
+
+    def release_outside_window(self, seq_id: str, first_query: int) -> int:
+        """Release the sequence's blocks that lie entirely before the window of a query at `first_query` (its next
+        query, num_computed_tokens: never a position rollback can return behind), their entries becoming
+        NULL_BLOCK; the block nearest the window first, so the oldest is the last evicted from the prefix cache.
+        Returns how many were released (0 without a window)."""
+        table = self.block_tables.get(seq_id)
+        done = self.num_released(seq_id)
+        end = min(self.num_skipped_blocks(first_query), len(table or ()))
+        if end <= done:
+            return 0
+        released = table[done:end]
+        table[done:end] = [NULL_BLOCK] * (end - done)
+        self._num_null[seq_id] = end
+        for block_id in reversed(released):
+            self.pool.release(block_id)
+        self.num_window_released += end - done
+        return end - done
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Release the sequence's blocks past those covering `num_tokens` tokens, tail first (speculative
@@ -148,21 +226,22 @@ class KVCacheManager:
         if table is None:
             return
         keep = self.blocks_needed(num_tokens)
-        if self._num_registered.get(seq_id, 0) > keep:
-            raise RuntimeError(f"{seq_id}: truncating registered blocks")
+        if self._num_registered.get(seq_id, 0) > keep or self.num_released(seq_id) > keep:
+            raise RuntimeError(f"{seq_id}: truncating registered or released blocks")
         while len(table) > keep:
             self.pool.release(table.pop())
 
     def free(self, seq_id: str) -> None:
         """Release all blocks of a sequence, tail first (so tails evict first)."""
-        for block_id in reversed(self.block_tables.pop(seq_id, [])):
+        num_null = self._num_null.pop(seq_id, 0)
+        for block_id in reversed(self.block_tables.pop(seq_id, [])[num_null:]):
             self.pool.release(block_id)
         self._num_registered.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
 
     def rename(self, seq_id: str, new_id: str) -> None:
         """Move a sequence's blocks under another id (an aborted request whose blocks a load still fills)."""
-        for table in (self.block_tables, self._num_registered, self._hashes):
+        for table in (self.block_tables, self._num_registered, self._hashes, self._num_null):
             if seq_id in table:
                 table[new_id] = table.pop(seq_id)
 

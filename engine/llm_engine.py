@@ -51,12 +51,14 @@ class LLMEngine(KVViews):
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
         self.runner, self.executor = build_runner(config, self.model_path, self.model_config, wanted_len)
         """executor: with tensor parallelism, the other ranks' processes (this process is rank 0); else None."""
-        capacity = self.runner.num_blocks * config.cache.block_size
+        # blocks behind the window are released only when every layer slides; a hybrid model keeps them all
+        window = self.model_config.sliding_window if self.model_config.all_sliding else None
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching, sliding_window=window)
+        capacity = self.kv.pool.num_usable_blocks * config.cache.block_size
         if wanted_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping", wanted_len, capacity)
         self.max_model_len = min(wanted_len, capacity)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.seed, self.runner.device)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -158,7 +160,9 @@ class LLMEngine(KVViews):
 
         Locally cached prefix blocks are reused, those in a lower KV tier loaded
         back meanwhile. Returns the block table and how many of its leading blocks
-        hold (or are loading) the right KV; only the rest need to be pulled.
+        hold (or are loading) the right KV, or need none; only the rest need to be pulled.
+        With a sliding window the entries behind the prompt's last window are the null
+        block, counted among those leading blocks: only the last window's blocks are pulled.
         Raises MemoryError when blocks are short (nothing held).
         """
         self.validate_prompt(prompt_token_ids)
@@ -166,12 +170,13 @@ class LLMEngine(KVViews):
             raise InvalidParameter("request_id", f"{request_id!r} is already running")
         self._wait_for_launched_step()  # blocks freed meanwhile may be handed out and written by a pull
         hit = self.kv.find_prefix(request_id, prompt_token_ids, cache_salt)
-        if self.kv.allocate_slots(request_id, 0, len(prompt_token_ids) - hit.num_tokens, hit) is None:
+        if self.kv.allocate_slots(request_id, 0, len(prompt_token_ids) - hit.num_tokens, hit,
+                                  first_query=len(prompt_token_ids)) is None:
             raise MemoryError("not enough free KV blocks for this prompt")
-        num_local = len(hit.block_ids) + self.scheduler.load_reserved(request_id, prompt_token_ids, cache_salt,
-                                                                      len(hit.block_ids))
-        self._reserved[request_id] = num_local * self.kv.block_size
-        return list(self.kv.block_table(request_id)), num_local
+        start = max(len(hit.block_ids), self.kv.num_released(request_id))
+        num_loaded = self.scheduler.load_reserved(request_id, prompt_token_ids, cache_salt, start)
+        self._reserved[request_id] = (len(hit.block_ids) + num_loaded) * self.kv.block_size
+        return list(self.kv.block_table(request_id)), start + num_loaded
 
     def release_kv(self, request_id: str) -> bool:
         """Free blocks kept for a transfer: reserved by `reserve_kv` (decode role,

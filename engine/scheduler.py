@@ -18,6 +18,14 @@ waits in `loading` while they are copied back; then it rejoins the front of the
 queue with them computed. Blocks registered in a step are copied down after it.
 A decode reservation (`load_reserved`) loads the same way while the rest of the
 prompt is pulled; its request waits in `loading` if it comes before the load ends.
+
+Sliding window (a KV cache manager with `sliding_window`: every layer slides): each step
+first releases, for every running request, the blocks behind the window of its next query
+(`num_computed_tokens`, which never counts unverified proposals, so a rollback never reaches
+them), so the free-block checks and preemption below see what windowed requests really hold;
+a request getting its first blocks (admission, a load from a lower tier) takes none behind its
+first query's window. Prefill-role requests (`prefill_only`) release nothing: their whole
+table is shipped to a decode worker.
 """
 from __future__ import annotations
 
@@ -118,6 +126,9 @@ class Scheduler:
         out = SchedulerOutput()
         if self.offload is not None:
             self._finish_loads()
+        if self.kv.sliding_window is not None:
+            for request in self.running:
+                self._release_outside_window(request)
         budget = self.config.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -140,7 +151,7 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            prefix = None
+            prefix = first_query = None
             if not self.kv.block_table(request.request_id):
                 prefix = self.kv.find_prefix(request.request_id, request.all_token_ids, request.cache_salt)
                 if self.offload is not None:
@@ -150,9 +161,13 @@ class Scheduler:
                     if started:
                         self.waiting.popleft()
                         continue
+                first_query = self._first_query(request, request.num_computed_tokens + prefix.num_tokens)
+            else:
+                self._release_outside_window(request)
             num_done = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
             num_new = min(request.num_tokens - num_done, budget)
-            copies = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, prefix)
+            copies = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, prefix,
+                                            first_query)
             if copies is None:
                 break
             self.waiting.popleft()
@@ -178,7 +193,8 @@ class Scheduler:
         if not found:
             return False
         if not self.offload.can_load(len(found)) or self.kv.allocate_slots(
-                request.request_id, 0, len(found) * self.kv.block_size, prefix) is None:
+                request.request_id, 0, len(found) * self.kv.block_size, prefix,
+                self._first_query(request, prefix.num_tokens)) is None:
             return None
         self._load(PendingLoad(request.request_id, len(prefix.block_ids), len(found), request), found,
                    request.all_token_ids)
@@ -261,6 +277,11 @@ class Scheduler:
             request.num_computed_tokens = computed
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(computed, request.num_prompt_tokens)
+        elif num_loaded < pending.num_found and not self.kv.window_intact(request.request_id, computed):
+            # a windowed decode reservation has no blocks behind its prompt's last window, and the keys there
+            # are what a recompute from `computed` would read: recompute the whole prompt instead
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = request.num_cached_tokens = 0
         elif num_loaded < pending.num_found:  # a decode request: what it pulled after a refused block is redone
             self.kv.truncate(request.request_id, computed)
             request.num_computed_tokens = computed
@@ -269,6 +290,18 @@ class Scheduler:
                                       request.cache_salt)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    # ---- sliding window --------------------------------------------------
+    def _release_outside_window(self, request: Request) -> None:
+        """Release the request's blocks no later query reads (none for a prefill whose blocks are shipped)."""
+        if not request.prefill_only:
+            self.kv.release_outside_window(request.request_id, request.num_computed_tokens)
+
+    @staticmethod
+    def _first_query(request: Request, position: int) -> int | None:
+        """What `allocate_slots` gets as `first_query` for a request's first blocks: its next query's position,
+        None (every block taken) for a prefill whose blocks are shipped."""
+        return None if request.prefill_only else position
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput):
         while True:

@@ -21,6 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes (GPUs on CUDA) that split each layer's heads and MLP; must divide the "
                         "model's attention and KV head counts")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="Mixture-of-Experts models with --tensor-parallel-size > 1: each rank holds whole experts "
+                        "(E / ranks of them) instead of a slice of every expert; attention stays split by heads")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"],
                    help="auto: triton on CUDA, torch on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -57,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         attention_backend=args.attention_backend, cuda_graphs=not args.enforce_eager,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs),

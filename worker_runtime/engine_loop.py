@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
+from worker_runtime.moe_metrics import MoeRoutingReader
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class EngineLoop(threading.Thread):
         """Snapshot refreshed after every iteration; safe to read from any thread."""
         self.kv_events = None
         """A KvEventLog, flushed after every iteration, when routers index this worker."""
+        self.moe_routing = MoeRoutingReader(engine.runner.model)
+        """Per-expert token counts of an MoE model, copied into the stats every few seconds (moe_metrics.py)."""
 
     # ---- called from the asyncio side -----------------------------------
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
@@ -155,7 +158,7 @@ class EngineLoop(threading.Thread):
                  "prefix_cache_hits": self.engine.kv.num_prefix_hits,
                  "spec_decode_num_draft_tokens": self.engine.num_spec_draft_tokens,
                  "spec_decode_num_accepted_tokens": self.engine.num_spec_accepted_tokens,
-                 "kv_tiers": self.engine.kv_tier_stats()}
+                 "kv_tiers": self.engine.kv_tier_stats(), "moe": self.moe_routing.read()}
         stats.update(self.extra_stats())
         self.stats = stats
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics_http import MetricsServer
+from worker_runtime.moe_metrics import moe_families
 from worker_runtime.tier_metrics import tier_families
 
 TRANSFER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
@@ -68,6 +69,8 @@ class WorkerStatsCollector:
             yield family
         if stats.get("kv_tiers"):
             yield from tier_families(stats["kv_tiers"], self.labels)
+        if stats.get("moe"):
+            yield from moe_families(stats["moe"], self.labels)
         if self.kv_backend is not None:
             info = GaugeMetricFamily(
                 "pdserve:kv_transfer_backend_info",

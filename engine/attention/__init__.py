@@ -1,4 +1,12 @@
 """Attention over the paged KV cache: metadata, the backend interface, backends."""
-from engine.attention.backend import AttentionBackend, AttentionMetadata, PrefillSpan, make_backend
+from engine.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    LayerAttention,
+    PrefillSpan,
+    make_backend,
+)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillSpan", "make_backend"]
+__all__ = ["FULL_ATTENTION", "AttentionBackend", "AttentionMetadata", "LayerAttention", "PrefillSpan",
+           "make_backend"]

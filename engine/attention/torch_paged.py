@@ -11,6 +11,11 @@ own fresh K/V with a causal mask, without touching the cache.
 An fp8 cache is written quantized (index_put: CPU torch has no fp8 index_copy_);
 the C++ decode kernel reads it in place (times the scales), the gathered paths
 dequantize the blocks they gather to the compute dtype.
+
+A layer with a sliding window, attention sinks or soft-capping (`LayerAttention`) takes the
+C++ kernel with those options, or the gathered paths of engine/attention/torch_options.py:
+only the blocks holding keys inside a window are read; a window alone is an SDPA mask,
+sinks and soft-capping an explicit float32 softmax. Plain layers run the code below unchanged.
 """
 from __future__ import annotations
 
@@ -18,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.attention import fp8_kv
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention import fp8_kv, torch_options
+from engine.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, LayerAttention
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -30,7 +35,8 @@ class TorchPagedAttention(AttentionBackend):
         super().__init__(*args, **kwargs)
         self.kernel = cpu_kernels.load() if use_cpu_kernel else None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0)):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0),
+                layer: LayerAttention = FULL_ATTENTION):
         if not meta.kv_written:
             fp8 = fp8_kv.is_fp8(k_cache)
             k_cache[meta.slot_blocks, meta.slot_offsets] = fp8_kv.quantize(k, kv_scales[0]) if fp8 else k
@@ -38,24 +44,36 @@ class TorchPagedAttention(AttentionBackend):
         idx = meta.decode_token_indices
         if not meta.prefills and idx is not None and self._use_kernel(q):
             # A decode-only step: its tokens are the decode tokens, in order; no gather or scatter.
-            return self.kernel.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_seq_lens, self.scale, *kv_scales)
+            return self._kernel_decode(q.contiguous(), k_cache, v_cache, meta, kv_scales, layer)
         out = torch.empty_like(q)
         if idx is not None:
-            self._decode(q, k_cache, v_cache, meta, out, kv_scales)
+            self._decode(q, k_cache, v_cache, meta, out, kv_scales, layer)
         k_cache, v_cache = _readable(k_cache, kv_scales[0], q.dtype), _readable(v_cache, kv_scales[1], q.dtype)
         for span in meta.prefills:
-            self._prefill(q, k, v, k_cache, v_cache, span, out)
+            if layer.is_plain:
+                self._prefill(q, k, v, k_cache, v_cache, span, out)
+            else:
+                self._prefill_with_options(q, k, v, k_cache, v_cache, span, out, meta, layer)
         return out
 
     def _use_kernel(self, q) -> bool:
         return self.kernel is not None and q.device.type == "cpu"
 
-    def _decode(self, q, k_cache, v_cache, meta, out, kv_scales) -> None:
+    def _kernel_decode(self, q, k_cache, v_cache, meta, kv_scales, layer: LayerAttention) -> torch.Tensor:
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        if layer.is_plain:
+            return self.kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, self.scale, *kv_scales)
+        sinks = None if layer.sinks is None else layer.sinks.to(torch.float32).contiguous()
+        return self.kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, self.scale, *kv_scales,
+                                                  layer.window or 0, sinks, layer.softcap or 0.0)
+
+    def _decode(self, q, k_cache, v_cache, meta, out, kv_scales, layer: LayerAttention) -> None:
         idx = meta.decode_token_indices
         if self._use_kernel(q):
-            out[idx] = self.kernel.paged_decode_attention(q[idx], k_cache, v_cache, meta.decode_block_tables,
-                                                          meta.decode_seq_lens, self.scale, *kv_scales)
+            out[idx] = self._kernel_decode(q[idx], k_cache, v_cache, meta, kv_scales, layer)
+            return
+        if not layer.is_plain:
+            self._decode_with_options(q, k_cache, v_cache, meta, out, kv_scales, layer)
             return
         k_cache, v_cache = _readable(k_cache, kv_scales[0], q.dtype), _readable(v_cache, kv_scales[1], q.dtype)
         batch = idx.shape[0]
@@ -85,6 +103,59 @@ class TorchPagedAttention(AttentionBackend):
                 query_pos = torch.arange(span.context_len, total, device=q.device)
                 span.mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=span.mask,
+                                                  scale=self.scale, enable_gqa=True)
+        out[s:e] = attn.squeeze(0).transpose(0, 1)
+
+    def _decode_with_options(self, q, k_cache, v_cache, meta, out, kv_scales, layer: LayerAttention) -> None:
+        """The gathered decode path for a window, sinks or soft-cap: only the window's blocks are read."""
+        idx = meta.decode_token_indices
+        key = ("decode_window", layer.window)
+        if key not in meta.extra:  # the same for every layer with this window, this step
+            tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+            first = torch.zeros_like(lens)
+            if layer.window is not None:
+                tables, first = torch_options.window_decode_tables(tables, lens, layer.window, k_cache.shape[1])
+            visible = torch_options.decode_visible(lens, first, tables.shape[1] * k_cache.shape[1], layer.window)
+            meta.extra[key] = tables, visible
+        tables, visible = meta.extra[key]
+        k_cache, v_cache = _readable(k_cache, kv_scales[0], q.dtype), _readable(v_cache, kv_scales[1], q.dtype)
+        keys = _gather(k_cache, tables).transpose(1, 2)      # [B, Hkv, L, D]
+        values = _gather(v_cache, tables).transpose(1, 2)
+        batch = idx.shape[0]
+        if layer.sinks is None and layer.softcap is None:
+            group = self.num_heads // self.num_kv_heads
+            query = q[idx].view(batch, self.num_kv_heads, group, self.head_dim)
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=self.scale)
+        else:
+            attn = torch_options.attend(q[idx].unsqueeze(2), keys, values, visible, self.scale, layer)
+        out[idx] = attn.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill_with_options(self, q, k, v, k_cache, v_cache, span, out, meta, layer: LayerAttention) -> None:
+        """A prefill chunk under a window, sinks or soft-cap; with cached context, only the blocks from the
+        first one its first query sees are gathered."""
+        s, e = span.token_start, span.token_end
+        query = q[s:e].transpose(0, 1).unsqueeze(0)          # [1, Hq, n, D]
+        ctx, total = span.context_len, span.context_len + (e - s)
+        if ctx == 0:
+            first = 0
+            keys = k[s:e].transpose(0, 1).unsqueeze(0)
+            values = v[s:e].transpose(0, 1).unsqueeze(0)
+        else:
+            block_size = k_cache.shape[1]
+            first_block = torch_options.first_window_block(ctx, layer.window, block_size)
+            first = first_block * block_size
+            table = span.block_table[first_block:-(-total // block_size)].unsqueeze(0)
+            keys = _gather(k_cache, table)[:, :total - first].transpose(1, 2)
+            values = _gather(v_cache, table)[:, :total - first].transpose(1, 2)
+        if layer.sinks is not None or layer.softcap is not None:
+            attn = torch_options.attend_prefill(query, keys, values, ctx - first, self.scale, layer)
+        else:
+            key = ("prefill_window", s, layer.window)
+            if key not in meta.extra:  # the same for every layer with this window, this step
+                meta.extra[key] = torch_options.prefill_visible(torch.arange(ctx, total, device=q.device),
+                                                                torch.arange(first, total, device=q.device),
+                                                                layer.window)
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.extra[key],
                                                   scale=self.scale, enable_gqa=True)
         out[s:e] = attn.squeeze(0).transpose(0, 1)
 

@@ -14,6 +14,13 @@ by tile straight from the pages named by the block table (no gather, no
 padding to the longest context), with causal masking by position and an
 online softmax in float32.
 
+Per-layer options (`LayerAttention`), each a compile-time switch, so a plain layer runs the
+plain kernel: a sliding window starts the KV loop at the first key the program's earliest
+query sees (keys before it, whose blocks may be freed and reused, are never loaded) and masks
+per row; attention sinks start each row's online softmax at the head's sink logit (m = sink,
+l = 1: a zero-value column); soft-capping maps scores to softcap * tanh(scores / softcap)
+(tanh from exp: not every Triton version has tl.tanh).
+
 An fp8 (float8_e4m3fn) cache is written as K / k_scale, V / v_scale saturated
 to ±448, and read widened to the query's dtype (exact: every e4m3 value is a
 bf16/fp16 value); k_scale is folded into the softmax scale and v_scale into
@@ -84,14 +91,24 @@ def _find_sequence(cu_q_ptr, num_seqs, program, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compiled variant whatever the batch
+@triton.jit
+def _soft_cap(s, softcap):
+    """softcap * tanh(s / softcap), tanh as (1 - e^-2|x|) / (1 + e^-2|x|) with the sign of x (no overflow)."""
+    x = s / softcap
+    t = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return softcap * tl.where(x < 0, -th, th)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "window"])  # one compiled variant whatever the batch
 def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
-                            scale, v_scale, num_seqs, head_dim,
+                            sinks_ptr, scale, v_scale, num_seqs, head_dim, window, softcap,
                             stride_q_t, stride_q_h, stride_o_t, stride_o_h,
                             stride_k_blk, stride_k_off, stride_k_h,
                             stride_v_blk, stride_v_off, stride_v_h, stride_bt,
                             GROUP: tl.constexpr, DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-                            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr):
+                            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
+                            WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(cu_q_ptr, num_seqs, program, BLOCK_Q)
@@ -111,14 +128,22 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
         q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         q_pos = context_len + q_local
-        # Keys this block of queries can see: up to its last query's position (causal).
+        # Keys this block of queries can see: up to its last query's position (causal), from the
+        # first key its first query's window holds.
         kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        kv_start = 0
+        if WINDOW:
+            kv_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+        if SINKS:  # the sink column: logit sink, value zero
+            m_i = tl.load(sinks_ptr + head).to(tl.float32)
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:  # finite: under a window a row may see no key in a tile (exp(-inf - -inf) would be NaN)
+            m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_P], tl.float32)
         offs = tl.arange(0, TILE)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(0, kv_end, TILE):
+        for start in range(kv_start, kv_end, TILE):
             k_pos = start + offs
             k_ok = k_pos < kv_end
             block = tl.load(table + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -132,7 +157,12 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
             else:
                 s = tl.dot(q, k)
             s = s * scale
-            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+            if SOFTCAP:
+                s = _soft_cap(s, softcap)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            if WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -146,6 +176,8 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if WINDOW:  # a padding row (never stored) may have seen no key: no 0 / 0
+            l_i = tl.where(l_i > 0, l_i, 1.0)
         acc = acc / l_i[:, None]
         if FP8:
             acc = acc * v_scale
@@ -166,9 +198,12 @@ def attention_launch_shape(num_tokens: int, num_seqs: int, group: int, max_query
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_q: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    window: int | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] (sequences packed by cu_q [S+1]) over the paged cache
-    (an fp8 one read times k_scale / v_scale).
+    (an fp8 one read times k_scale / v_scale); a query at position p sees the keys p - window < j <= p
+    with a `window`, plus per-head `sinks` logits [Hq] (float32), scores soft-capped by `softcap`.
 
     seq_lens [S]: context length of each sequence, this step's tokens included
     (their K/V already written). block_tables [S, W] int32. max_query_len only
@@ -184,8 +219,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     page = k_cache.shape[1]
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     _paged_attention_kernel[(programs, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, cu_q,
-        scale * k_scale, v_scale, num_seqs, head_dim,
+        out, q, k_cache, v_cache, block_tables, seq_lens, cu_q, q if sinks is None else sinks,
+        scale * k_scale, v_scale, num_seqs, head_dim, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -193,5 +228,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         TILE=32 if block_m == 16 else 64, BLOCK_Q=block_q, BLOCK_M=block_m,
         # Float32 products for float32 models, and on CPU: Triton's interpreter computes
         # bf16/fp16 dots wrongly (triton 3.9; 16-bit inputs are widened first there, exactly).
-        F32=q.dtype == torch.float32 or q.device.type == "cpu", FP8=k_cache.dtype == torch.float8_e4m3fn)
+        F32=q.dtype == torch.float32 or q.device.type == "cpu", FP8=k_cache.dtype == torch.float8_e4m3fn,
+        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None)
     return out

@@ -4,7 +4,8 @@ One launch writes the step's K/V into the cache by slot mapping, one launch
 attends all of the step's tokens; both per layer. On a GPU the kernels are
 compiled; without one they run under Triton's interpreter (set here before
 triton is first imported), which is slow but exact — for tests; there it
-refuses an fp8 cache (see `supports_fp8_kv`).
+refuses an fp8 cache (see `supports_fp8_kv`). A layer's window, sinks and soft-cap
+(`LayerAttention`) are the attention kernel's compile-time switches: plain layers run it unchanged.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, LayerAttention
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -31,8 +32,17 @@ class TritonPagedAttention(AttentionBackend):
         # rounding up crosses a power of two (127.3 -> 64), so the KV write would be wrong on CPU.
         self.supports_fp8_kv = torch.cuda.is_available()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0),
+                layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
         self._kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, *kv_scales)
         return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q,
                                              meta.max_query_len, self.scale, k_scale=kv_scales[0],
-                                             v_scale=kv_scales[1])
+                                             v_scale=kv_scales[1], window=layer.window, sinks=_sinks(layer, q),
+                                             softcap=layer.softcap)
+
+
+def _sinks(layer: LayerAttention, q: torch.Tensor) -> torch.Tensor | None:
+    """The layer's sink logits as the kernel reads them: float32, contiguous, on q's device."""
+    if layer.sinks is None:
+        return None
+    return layer.sinks.to(device=q.device, dtype=torch.float32).contiguous()

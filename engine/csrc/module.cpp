@@ -4,7 +4,8 @@
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                     double k_scale, double v_scale);
+                                     double k_scale, double v_scale, int64_t window,
+                                     c10::optional<at::Tensor> sinks, double softcap);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
@@ -30,9 +31,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx512") = kAvx512;
   m.attr("avx2") = kAvx2;
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (CPU); an fp8 cache is read times k_scale / v_scale",
+        "decode attention over a paged KV cache (CPU); an fp8 cache is read times k_scale / v_scale; "
+        "window (0: none) reads only the last `window` keys, sinks ([Hq] float32) add a zero-value softmax "
+        "column per head, softcap (0: none) caps scores at softcap * tanh(s / softcap)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+        py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, py::arg("window") = 0,
+        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual) * weight (in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] rows");

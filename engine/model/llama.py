@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import FULL_ATTENTION, AttentionBackend, AttentionMetadata, LayerAttention
 from engine.model.fused import FusedOps, load_fused_ops
 from engine.model.linear import Linear
 from engine.model.model_config import ModelConfig
@@ -89,6 +89,14 @@ class LlamaModel:
         """The fused CPU kernels, or None (CUDA, other dtypes, PDSERVE_FUSED=0): the unfused torch ops."""
         self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * config.num_layers
         """(k_scale, v_scale) per layer; read only with an fp8 KV cache (set by the model runner)."""
+        self.layer_attention: list[LayerAttention] = [self.attention_of(i) for i in range(config.num_layers)]
+        """Each layer's window, sinks and soft-cap, handed to the attention backend."""
+
+    def attention_of(self, i: int) -> LayerAttention:
+        """Layer i's attention options: its sliding window where config.layer_types makes it slide."""
+        if self.config.is_sliding(i):
+            return LayerAttention(window=self.config.sliding_window)
+        return FULL_ATTENTION
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,7 +139,8 @@ class LlamaModel:
             qk = self.rotary.apply(qk, cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.kv_scales[i])
+            attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.kv_scales[i],
+                                          self.layer_attention[i])
             x = x + w.o_proj(attn.reshape(num_tokens, self.q_size))
             h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
             x = x + self.mlp(h, w, None)
@@ -165,7 +174,7 @@ class LlamaModel:
             q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.kv_scales[i])
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.kv_scales[i], self.layer_attention[i])
             h = ops.add_rms_norm_(w.o_proj(attn.reshape(num_tokens, self.q_size)), residual, w.post_norm, eps)
             down = self.mlp(h, w, ops)
             if i + 1 < len(self.layers):

@@ -43,11 +43,14 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def resolve_quantization(requested: str | None, config: ModelConfig) -> str | None:
-    """The weight format to run: the checkpoint's own when it has one (a request for another is an
-    error: re-quantizing quantized weights compounds the rounding), else the requested one."""
+    """The weight format to run the linears in: the checkpoint's own when it has one (a request for another is
+    an error: re-quantizing quantized weights compounds the rounding), else the requested one. An mxfp4
+    checkpoint's linears are unquantized (only gpt-oss's experts are MXFP4, dequantised by engine/model/mxfp4.py)."""
     if config.quantization is not None and requested not in (None, config.quantization):
         raise ValueError(f"the checkpoint is already quantized ({config.quantization}); "
                          f"cannot load it as {requested}")
+    if config.quantization == "mxfp4":
+        return None
     return config.quantization or requested
 
 
@@ -74,9 +77,12 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     head = Linear(lm_head) if tp is None else VocabParallelHead(Linear(lm_head), tp, config.vocab_size)
     final_norm = weights.take("model.norm.weight")
     _check_all_taken(weights, config)
-    local = config if tp is None else shard_config(config, tp.world_size)
-    attention = make_backend(attention_backend, local.num_heads, local.num_kv_heads, local.head_dim)
-    return family.Model(local, embed, layers, final_norm, head, attention, max_positions, tp)
+    local = config if tp is None else shard_config(config, tp.world_size, tp.expert_parallel)
+    scale = family.attention_scale(config) if hasattr(family, "attention_scale") else None  # Gemma's own
+    attention = make_backend(attention_backend, local.num_heads, local.num_kv_heads, local.head_dim, scale)
+    model = family.Model(local, embed, layers, final_norm, head, attention, max_positions, tp)
+    attention.check_layers(model.layer_attention, attention_backend)  # e.g. sinks on a backend without them
+    return model
 
 
 def _check_all_taken(weights: CheckpointWeights, config: ModelConfig) -> None:

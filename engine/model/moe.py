@@ -35,6 +35,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from engine.model.linear import Linear
+
 Scoring = Literal["softmax_topk", "topk_softmax"]
 
 
@@ -74,6 +76,26 @@ class MoeWeights:
     """[E, 2I] gate then up biases (gpt-oss)."""
     b2: torch.Tensor | None = None
     """[E, H] down biases (gpt-oss)."""
+    linears: list[tuple[Linear, Linear]] | None = None
+    """On CPU (`pack_experts`): each expert's gate|up and down as a `Linear` (prepacked for oneDNN; float32
+    multiplies on CPUs without a bf16 GEMM, where a bf16 `F.linear` crawls). The stacked w13 / w2 are then
+    dropped (None), so the experts are held once."""
+
+    def expert_mlp(self, e: int, x: torch.Tensor, spec: MoeSpec) -> torch.Tensor:
+        """Expert e (local index) on its rows x [n, H] -> [n, H]: down(swiglu(gate_up(x)))."""
+        if self.linears is not None:
+            gate_up, down = self.linears[e]
+            return down(swiglu(gate_up(x), spec))
+        gate_up = F.linear(x, self.w13[e], None if self.b13 is None else self.b13[e])
+        return F.linear(swiglu(gate_up, spec), self.w2[e], None if self.b2 is None else self.b2[e])
+
+
+def pack_experts(weights: MoeWeights) -> MoeWeights:
+    """The CPU form of `weights`: each expert's matrices as `Linear`s (see `MoeWeights.linears`)."""
+    linears = [(Linear(weights.w13[e], None if weights.b13 is None else weights.b13[e]),
+                Linear(weights.w2[e], None if weights.b2 is None else weights.b2[e]))
+               for e in range(weights.w13.shape[0])]
+    return MoeWeights(weights.router, None, None, weights.router_bias, weights.b13, weights.b2, linears)
 
 
 @dataclass
@@ -132,8 +154,7 @@ def experts_forward(hidden: torch.Tensor, weights: MoeWeights, spec: MoeSpec, to
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate_up = F.linear(x[rows], weights.w13[e], None if weights.b13 is None else weights.b13[e])
-        y[rows] = F.linear(swiglu(gate_up, spec), weights.w2[e], None if weights.b2 is None else weights.b2[e])
+        y[rows] = weights.expert_mlp(e, x[rows], spec)
         start += n
     per_pair = torch.empty_like(y)
     per_pair[order] = y  # back to [token, k] order: a permutation, so no scatter-add

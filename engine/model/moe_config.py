@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts fields of a config.json (Mixtral, Qwen3-MoE), read and checked without torch.
+"""The Mixture-of-Experts fields of a config.json (Mixtral, Qwen3-MoE, gpt-oss), read and checked without torch.
 
   Mixtral    num_local_experts, num_experts_per_tok; each expert's width is `intermediate_size`; every
              layer is sparse; the top-k weights are always renormalised.
@@ -6,6 +6,10 @@
              moe_intermediate_size, norm_topk_prob (default false), and the dense layers: those in
              mlp_only_layers or where (i + 1) % decoder_sparse_step != 0 run a dense MLP of
              `intermediate_size`, as transformers' Qwen3MoeDecoderLayer decides.
+  gpt-oss    num_local_experts, num_experts_per_tok (transformers ignores the original `experts_per_token`,
+             and so do we), each expert `intermediate_size` wide, every layer sparse; routing top-k of the
+             logits then softmax over the k ("topk_softmax"); the clamped SwiGLU of `swiglu_limit` and
+             `swiglu_alpha`; the defaults of omitted fields are the family's `config_defaults` (registry.py).
 Shared experts (Qwen2-MoE's `shared_expert_intermediate_size`, DeepSeek's `n_shared_experts`) are not
 implemented and are refused by field name.
 """
@@ -28,6 +32,12 @@ class MoeConfig:
     """Divide the top-k routing weights by their sum (Mixtral always; Qwen3-MoE's `norm_topk_prob`)."""
     dense_layers: tuple[int, ...] = ()
     """Layers that run a dense MLP (config.intermediate_size) instead of the experts."""
+    scoring: str = "softmax_topk"
+    """engine.model.moe.MoeSpec's routing: "softmax_topk" (Mixtral, Qwen3-MoE) or "topk_softmax" (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU limit; None: plain SwiGLU."""
+    swiglu_alpha: float = 1.702
+    """gpt-oss's SwiGLU sigmoid slope (read only with swiglu_limit)."""
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 0 < self.top_k <= self.num_experts:
@@ -52,6 +62,10 @@ def parse_moe(raw: dict, family: str | None, num_layers: int) -> MoeConfig | Non
     num_experts = raw.get("num_experts", raw.get("num_local_experts"))
     if num_experts is None:
         raise ValueError("an MoE config.json needs num_experts (or num_local_experts)")
+    if family == "gpt_oss":
+        return MoeConfig(num_experts, raw["num_experts_per_tok"], raw["intermediate_size"], renormalize=False,
+                         scoring="topk_softmax", swiglu_limit=float(raw["swiglu_limit"]),
+                         swiglu_alpha=float(raw["swiglu_alpha"]))
     if family == "mixtral":
         return MoeConfig(num_experts, raw["num_experts_per_tok"], raw["intermediate_size"], renormalize=True)
     step = int(raw.get("decoder_sparse_step", 1))

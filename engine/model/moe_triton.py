@@ -2,11 +2,15 @@
 
   align_block_size  the T*k pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M
                     with the sentinel T*k, and one expert id per block of BLOCK_M rows (-1 past the
-                    last): vLLM's moe_align_block_size, in torch, with no host sync.
+                    last): vLLM's moe_align_block_size, in torch, with no host sync. With expert
+                    parallelism an `expert_map` ([E]: local index, -1 for another rank's expert) turns
+                    each block's global expert into the local index of this rank's weights, -1 for the
+                    blocks of experts held elsewhere.
   _grouped_gemm     one program per (block of BLOCK_M sorted rows, BLOCK_N output columns): gathers its
                     rows of A, multiplies them by its block's expert's [N, K] weight, adds the expert's
                     bias, optionally scales each row by its pair's routing weight, stores each row at its
-                    pair's index. Padding rows load nothing and store nothing.
+                    pair's index. Padding rows load nothing and store nothing; a block whose expert is
+                    -1 stores zeros for its pairs (another rank computes them; the all-reduce adds them).
   fused_moe         GEMM 1 (hidden rows `pair // k` x w13) -> SwiGLU (`engine.model.moe.swiglu`) ->
                     GEMM 2 (x w2, routing weights applied) -> sum of each token's k rows.
 Same contract as `engine.model.moe.experts_forward`; tested against it under TRITON_INTERPRET=1.
@@ -27,12 +31,15 @@ def _grouped_gemm(a_ptr, b_ptr, bias_ptr, c_ptr, weight_ptr, sorted_ptr, expert_
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(expert_ptr + pid_m)
-    if expert < 0:
-        return
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
-    rows = pairs // a_row_div
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if expert < 0:  # unused block (all padding: stores nothing) or another rank's expert: zeros
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+        tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :], zeros,
+                 mask=valid[:, None] & (offs_n[None, :] < N))
+        return
+    rows = pairs // a_row_div
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -50,10 +57,11 @@ def _grouped_gemm(a_ptr, b_ptr, bias_ptr, c_ptr, weight_ptr, sorted_ptr, expert_
              mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def align_block_size(topk_ids: torch.Tensor, num_experts: int,
-                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                     expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, k] expert ids -> (sorted pair ids padded per expert to `block_m` [max_rows], expert per block
-    [max_rows / block_m] (-1: unused block), pairs per expert [E])."""
+    [max_rows / block_m] (-1: unused block; with `expert_map`, the local index, -1 also for another rank's
+    expert), pairs per expert [E] (all E))."""
     flat = topk_ids.flatten()
     n, device = flat.numel(), flat.device
     order = flat.argsort(stable=True)
@@ -68,6 +76,9 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int,
     block_ends = padded.cumsum(0) // block_m
     block_expert = torch.searchsorted(block_ends, torch.arange(max_blocks, device=device), right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    if expert_map is not None:
+        local = expert_map.to(torch.int32)[block_expert.clamp(min=0).long()]
+        block_expert = torch.where(block_expert >= 0, local, -1)
     return sorted_ids, block_expert, counts
 
 
@@ -88,12 +99,14 @@ def _launch(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
 
 
 def fused_moe(hidden: torch.Tensor, weights: MoeWeights, spec: MoeSpec, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> MoeOutput:
-    """The experts half of the MoE layer on Triton; same arguments and result as `experts_forward`."""
+              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> MoeOutput:
+    """The experts half of the MoE layer on Triton; same arguments and result as `experts_forward`. With
+    `expert_map` (expert parallelism) `weights` holds only this rank's experts and the pairs of the others
+    come out as zeros (engine/parallel/expert_parallel.py's `local_experts_forward` on CUDA)."""
     num_tokens, k = topk_ids.shape
     # Few pairs per expert (decode): small row blocks waste less on padding.
     block_m = 16 if num_tokens * k <= 4 * spec.num_experts else 64
-    sorted_ids, block_expert, counts = align_block_size(topk_ids, spec.num_experts, block_m)
+    sorted_ids, block_expert, counts = align_block_size(topk_ids, spec.num_experts, block_m, expert_map)
     hidden, w13, w2 = hidden.contiguous(), weights.w13.contiguous(), weights.w2.contiguous()
     gate_up = hidden.new_empty(num_tokens * k, w13.shape[1])
     _launch(hidden, w13, weights.b13, gate_up, None, sorted_ids, block_expert, k, block_m)

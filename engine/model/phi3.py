@@ -14,9 +14,9 @@ What differs from Llama, as transformers' `Phi3Attention` and `Phi3MLP` compute 
                 from that token on its greedy output can differ from pdserve's
 The rest is Llama's math (the residual dropouts are identity at inference), CPU fused path included.
 Phi-4 (dense) is the same architecture. Phi-4-mini's partial rotary (partial_rotary_factor 0.75) is
-refused when its config is read (engine/model/rope_scaling.py), and so is a `sliding_window` (as for
-every family in model_config.py: Phi-3-mini-4k sets 2047, the 128k and 3.5 ones 262144); a fused tensor
-with biases is refused at load (its biases are left untaken).
+refused when its config is read (engine/model/rope_scaling.py); a fused tensor with biases is refused at
+load (its biases are left untaken). A `sliding_window` makes every layer slide, as transformers' Phi3 does
+(engine/model/layer_types.py; Phi-3-mini-4k sets 2047, the 128k and 3.5 ones 262144, wider than they run).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """RoPE scaling variants as transformers 5.x defines them (`modeling_rope_utils`), without torch.
 
-`parse_rope_scaling` reads a config's RoPE fields, refusing what the engine does not implement;
+`parse_rope_scaling` reads a config's RoPE fields, refusing what the engine does not implement
+(`rope_parameters` picks one layer type's where they nest per type, as Gemma 3's do);
 `attention_factor` is the scale transformers applies to cos and sin. The inverse frequencies of
 each type are computed in `engine/model/rotary.py`:
 
@@ -20,6 +21,24 @@ import math
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 """The `rope_type` values the engine implements."""
+
+
+def is_per_layer_type(rope: object) -> bool:
+    """Whether a `rope_parameters` value nests one dict per layer type (transformers 5's Gemma 3:
+    {"full_attention": {...}, "sliding_attention": {...}})."""
+    return isinstance(rope, dict) and any(isinstance(value, dict) for value in rope.values())
+
+
+def rope_parameters(raw: dict, layer_type: str | None = None) -> tuple[float, dict]:
+    """(rope_theta, RoPE parameter dict) of config.json `raw`: `rope_parameters` (transformers 5) or the
+    legacy `rope_scaling` beside a top-level `rope_theta` (default 10000). With `layer_type` (a family
+    whose RoPE differs per layer type), a nested `rope_parameters` gives that type's entry, its own
+    rope_theta first; without it a nested dict comes back whole, for `parse_rope_scaling` to refuse."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if layer_type is not None and is_per_layer_type(rope):
+        rope = dict(rope.get(layer_type) or {})
+        return float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))), rope
+    return float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))), rope
 
 
 def parse_rope_scaling(rope: dict, raw: dict) -> dict | None:

@@ -9,7 +9,9 @@ heads). The scheduler, block tables, KV cache manager and sampler exist once, on
 
 Each step rank 0 builds the step's tensors as with one rank, sends them (with the step's block
 copies) down a pipe to every other rank, pickled once; then all ranks run the same forward, meeting
-in the collectives (engine/parallel/layers.py); only rank 0's logits are used. The pipes carry the
+in the collectives (engine/parallel/layers.py); only rank 0's logits are used. With
+`enable_expert_parallel` every rank's group says so, and the MoE layers hold whole experts per rank
+(expert_parallel.py) while attention stays split by heads. The pipes carry the
 control messages and the process group the tensors of the forward, so an idle engine keeps no
 collective waiting. `shutdown` sends "stop" and joins the ranks.
 
@@ -41,6 +43,7 @@ from engine.config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import shared_kv
+from engine.parallel.expert_parallel import check_expert_parallel
 from engine.parallel.sharding import check_tp_size
 from engine.parallel.tp_group import TPGroup, host_store
 
@@ -71,7 +74,8 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
         device = torch.device(config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group = TPGroup.connect(rank, world_size, init_method, device)
+        group = TPGroup.connect(rank, world_size, init_method, device,
+                                expert_parallel=config.enable_expert_parallel)
         model_config = ModelConfig.from_dir(config.model)
         runner = ModelRunner(config, config.model, model_config, config.max_model_len, tp=group)
         conn.send_bytes(pickle.dumps(("ready", runner.num_blocks, runner.kv_export)))
@@ -98,9 +102,11 @@ def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
                  max_model_len: int) -> tuple[ModelRunner, TPExecutor | None]:
     """The engine's ModelRunner and, with tensor_parallel_size > 1, the executor of the other ranks
     (started here; rank 0's runner is built beside them). Returns (runner, executor or None)."""
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size == 1:  # (EngineConfig refuses enable_expert_parallel here)
         return ModelRunner(config, model_path, model_config, max_model_len), None
-    check_tp_size(config.tensor_parallel_size, model_config)
+    check_tp_size(config.tensor_parallel_size, model_config, config.enable_expert_parallel)
+    if config.enable_expert_parallel:
+        check_expert_parallel(config.tensor_parallel_size, model_config)
     config = replace(config, model=str(model_path), max_model_len=max_model_len)
     executor = TPExecutor(config)
     try:
@@ -142,7 +148,8 @@ class TPExecutor:
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
         try:
-            self.group = TPGroup.connect(0, self.world_size, init_method, device, store=store)
+            self.group = TPGroup.connect(0, self.world_size, init_method, device, store=store,
+                                         expert_parallel=config.enable_expert_parallel)
         except BaseException:
             self.shutdown()
             raise

@@ -10,8 +10,9 @@ As vLLM shards a Llama-family layer over N ranks:
                    LM head        rows to ceil(V/N) so every rank's slice has one size
   expert-sliced    MoE w13, w2    rank r holds r/N of every expert's intermediate dimension: its gate and
                                   up rows, its down columns (`shard_experts`); the ranks' outputs are
-                                  summed like down's (expert parallelism, whole experts per rank, is not
-                                  implemented)
+                                  summed like down's
+  expert-parallel  MoE experts    with `enable_expert_parallel`, rank r holds whole experts instead: E/N of
+                                  them (expert_parallel.py); the ranks' outputs are summed alike
 
 so every rank's attention works on num_heads/N query and num_kv_heads/N KV heads (`shard_config`).
 """
@@ -24,8 +25,9 @@ import torch
 from engine.model.model_config import ModelConfig
 
 
-def check_tp_size(world_size: int, config: ModelConfig) -> None:
-    """Raise ValueError unless `world_size` ranks can split the model's heads and MLP evenly."""
+def check_tp_size(world_size: int, config: ModelConfig, expert_parallel: bool = False) -> None:
+    """Raise ValueError unless `world_size` ranks can split the model's heads and MLP evenly (with
+    `expert_parallel` the experts stay whole: expert_parallel.py checks that their number splits)."""
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
     if config.num_heads % world_size or config.num_kv_heads % world_size:
@@ -34,16 +36,18 @@ def check_tp_size(world_size: int, config: ModelConfig) -> None:
     if config.intermediate_size % world_size:
         raise ValueError(f"tensor_parallel_size {world_size} must divide the model's intermediate size "
                          f"{config.intermediate_size}")
-    if config.moe is not None and config.moe.intermediate_size % world_size:
+    if config.moe is not None and not expert_parallel and config.moe.intermediate_size % world_size:
         raise ValueError(f"tensor_parallel_size {world_size} must divide the experts' intermediate size "
                          f"{config.moe.intermediate_size}")
 
 
-def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
+def shard_config(config: ModelConfig, world_size: int, expert_parallel: bool = False) -> ModelConfig:
     """The shapes one rank computes with: its heads and its MLP slice, its slice of every expert's (vocab,
-    hidden size and the experts stay whole)."""
-    check_tp_size(world_size, config)
-    moe = config.moe and replace(config.moe, intermediate_size=config.moe.intermediate_size // world_size)
+    hidden size and the experts stay whole); with `expert_parallel` each expert's width stays whole."""
+    check_tp_size(world_size, config, expert_parallel)
+    moe = config.moe
+    if moe is not None and not expert_parallel:
+        moe = replace(moe, intermediate_size=moe.intermediate_size // world_size)
     return replace(config, num_heads=config.num_heads // world_size,
                    num_kv_heads=config.num_kv_heads // world_size,
                    intermediate_size=config.intermediate_size // world_size, moe=moe)

@@ -7,6 +7,9 @@ TCPStore that rank 0 hosts, not the global default group: several engines may li
   all_reduce(x)        x = the sum of every rank's x, in place (row-parallel linears, embedding)
   all_gather(x, dim)   the ranks' x concatenated along `dim` in rank order (vocab-parallel LM head)
   min(n)               the smallest of the ranks' integers (KV blocks every rank can hold)
+
+`expert_parallel`: the MoE layers split whole experts over this group's ranks (expert_parallel.py)
+instead of a slice of every expert; attention and the dense layers stay tensor-parallel either way.
 """
 from __future__ import annotations
 
@@ -27,17 +30,21 @@ def host_store(host: str = "127.0.0.1", world_size: int = 1, timeout_s: float = 
 
 
 class TPGroup:
-    def __init__(self, rank: int, world_size: int, device: torch.device, backend, store) -> None:
+    def __init__(self, rank: int, world_size: int, device: torch.device, backend, store,
+                 expert_parallel: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.backend = backend
+        self.expert_parallel = expert_parallel
+        """Whole experts per rank in the MoE layers (EngineConfig.enable_expert_parallel)."""
         self._store = store
         """Kept alive with the group (rank 0's TCPStore serves the others)."""
 
     @classmethod
     def connect(cls, rank: int, world_size: int, init_method: str, device: torch.device,
-                store: dist.TCPStore | None = None, timeout_s: float = TIMEOUT_S) -> TPGroup:
+                store: dist.TCPStore | None = None, timeout_s: float = TIMEOUT_S,
+                expert_parallel: bool = False) -> TPGroup:
         """Join the group at `init_method` (tcp://host:port of rank 0's store; rank 0 passes its store).
         Blocks until every rank has joined, or raises after `timeout_s`."""
         timeout = timedelta(seconds=timeout_s)
@@ -53,7 +60,7 @@ class TPGroup:
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             backend = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, world_size, options)
-        return cls(rank, world_size, device, backend, store)
+        return cls(rank, world_size, device, backend, store, expert_parallel)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x = sum over ranks, in place; returns x."""

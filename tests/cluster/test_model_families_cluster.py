@@ -1,39 +1,155 @@
-"""Each dense family beyond Llama's through real processes: a prefill worker, a decode worker and a router
+"""Each family beyond Llama's through real processes: a prefill worker, a decode worker and a router
 (`--skip-prefill-tokens 0`, so every prompt is prefilled remotely and its KV crosses to the decode worker),
 on the tiny random checkpoints of the family tests (Qwen3: q/k norm and head_dim 16 where hidden / heads
-is 12; Phi-3: fused qkv_proj and gate_up_proj). The greedy tokens equal transformers' own generate (fp32)
-and the workers end with no KV block, request or lease held. One cluster per family, for the module.
+is 12; Phi-3: fused qkv_proj and gate_up_proj; Qwen3-MoE and Mixtral: 8 experts top-2, Qwen3-MoE with a
+dense layer between its sparse ones; Gemma 2/3 and gpt-oss: sliding windows of 24 tokens on alternating /
+5-in-6 layers, soft-capping, attention sinks, gpt-oss's MoE; Mistral with every layer windowed). The
+prompts (70 and 37 tokens) are longer than the windows. The greedy tokens equal transformers' own
+generate (fp32) and the workers end with no KV block, request or lease held. One cluster per family, for the module.
+
+MoE families also export per-expert token counts (worker_runtime/moe_metrics.py): the prefill worker's
+equal transformers' routing of the prompt tokens, the decode worker's that of the tokens it fed back. Two
+more MoE clusters run two ranks per worker: Qwen3-MoE tensor-parallel (each rank a slice of every expert)
+and Mixtral expert-parallel (`--enable-expert-parallel`, each rank 4 whole experts; rank 0's counts still
+cover all 8).
 """
+import time
+
 import pytest
+import torch
 
 from loadtest.chaos.processes import stop_all
-from tests.cluster.harness import assert_no_leaks, generate_routed, start_router, start_workers
+from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, start_router, start_workers
 from tests.conftest import hf_greedy
+from tests.engine.test_gemma import tiny_gemma
+from tests.engine.test_gpt_oss import tiny_gpt_oss
+from tests.engine.test_mistral import tiny_mistral
+from tests.engine.test_moe_models import tiny_moe
 from tests.engine.test_phi3 import tiny_phi3
 from tests.engine.test_qwen3 import tiny_qwen3
 
-BUILDERS = {"Qwen3ForCausalLM": tiny_qwen3, "Phi3ForCausalLM": tiny_phi3}
+BUILDERS = {"Qwen3ForCausalLM": tiny_qwen3, "Phi3ForCausalLM": tiny_phi3,
+            "Qwen3MoeForCausalLM": lambda path, tok: tiny_moe("qwen3_moe", path, tok),
+            "MixtralForCausalLM": lambda path, tok: tiny_moe("mixtral", path, tok),
+            "Gemma2ForCausalLM": lambda path, tok: tiny_gemma("gemma2", path, tok),
+            "Gemma3ForCausalLM": lambda path, tok: tiny_gemma("gemma3", path, tok),
+            "GptOssForCausalLM": tiny_gpt_oss,
+            "MistralForCausalLM(window)": lambda path, tok: tiny_mistral(path, tok, sliding_window=24)}
+MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+"""Families whose expert counts are checked against transformers' routing here (gpt-oss exports them too)."""
 PROMPTS = [[3 + (131 * i) % 49000 for i in range(70)], [11, 400, 9000, 77] * 9 + [5]]
 MAX_TOKENS = 12
 
 
+def start_cluster(path, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()):
+    """[prefill, decode, router] on `path`, each worker with its own metrics port (`metrics_url`)."""
+    ports = [free_port(), free_port()]
+    started = start_workers([["prefill", *prefill_flags, "--metrics-port", str(ports[0])],
+                             ["decode", *decode_flags, "--metrics-port", str(ports[1])]],
+                            "--model", str(path), "--dtype", "float32")
+    try:
+        for proc, port in zip(started, ports, strict=True):
+            proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
+        started.append(start_router(started[:1], started[1:], "--model", str(path), "--skip-prefill-tokens", "0"))
+    except BaseException:
+        stop_all(started)
+        raise
+    return started
+
+
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def family_cluster(request, tmp_path_factory, tokenizer_dir):
-    """(checkpoint, [prefill, decode], router) for one family."""
+    """(architecture, checkpoint, [prefill, decode], router) for one family."""
     path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param), tokenizer_dir)
-    started = start_workers(["prefill", "decode"], "--model", str(path), "--dtype", "float32")
+    started = start_cluster(path)
     try:
-        started.append(start_router(started[:1], started[1:], "--model", str(path), "--skip-prefill-tokens", "0"))
-        yield path, started[:2], started[2]
+        yield request.param, path, started[:2], started[2]
     finally:
         stop_all(started)
 
 
-def test_family_through_prefill_and_decode_equals_transformers(family_cluster):
-    path, workers, router = family_cluster
+def run_prompts(path, workers, router) -> list[list[int]]:
+    """Every prompt through prefill -> KV transfer -> decode; the tokens equal transformers'."""
     expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
     for i, (prompt, want) in enumerate(zip(PROMPTS, expected, strict=True)):
         got = generate_routed(router, prompt, max_tokens=MAX_TOKENS)
         assert got["prefill"] == workers[0].address and got["decode"] == workers[1].address  # KV crossed
         assert got["tokens"] == want, f"prompt {i} differs"
+    return expected
+
+
+def hf_routing(path, spans: list[tuple[list[int], int, int]]) -> list[int]:
+    """[E] (token, expert) pairs transformers routes to each expert, summed over the sparse layers, counting
+    only positions [start, end) of each (sequence, start, end)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    num_experts, k = model.config.num_local_experts, model.config.num_experts_per_tok
+    total = torch.zeros(num_experts, dtype=torch.long)
+    with torch.inference_mode():
+        for seq, start, end in spans:
+            for logits in model(torch.tensor([seq]), output_router_logits=True).router_logits:
+                assert logits.shape == (len(seq), num_experts)
+                total += torch.bincount(logits[start:end].topk(k, dim=-1).indices.flatten(), minlength=num_experts)
+    return total.tolist()
+
+
+def expert_tokens(url: str) -> list[int] | None:
+    """pdserve:moe_expert_tokens_total by expert from a worker's /metrics; None while it exports none."""
+    import urllib.request
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve:moe_expert_tokens_total{"):
+            expert = int(line.split('expert="', 1)[1].split('"', 1)[0])
+            found[expert] = int(float(line.rsplit(" ", 1)[1]))
+    return [found[e] for e in sorted(found)] or None
+
+
+def wait_for_expert_tokens(url: str, want: list[int], timeout_s: float = 30.0) -> list[int] | None:
+    """The worker's per-expert counts once they equal `want` (it re-reads them every few seconds), or the
+    last ones seen at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = expert_tokens(url)
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def assert_expert_counts(path, workers, expected: list[list[int]]) -> None:
+    """Prefill computed every prompt token, decode every token fed back after the first (from prefill)."""
+    sequences = [p + out[:-1] for p, out in zip(PROMPTS, expected, strict=True)]
+    prefill = hf_routing(path, [(s, 0, len(p)) for s, p in zip(sequences, PROMPTS, strict=True)])
+    decode = hf_routing(path, [(s, len(p), len(s)) for s, p in zip(sequences, PROMPTS, strict=True)])
+    assert sum(prefill) == sum(map(len, PROMPTS)) * 2 * 2  # top-2, two sparse layers
+    assert sum(decode) == len(PROMPTS) * (MAX_TOKENS - 1) * 2 * 2
+    assert wait_for_expert_tokens(workers[0].metrics_url, prefill) == prefill
+    assert wait_for_expert_tokens(workers[1].metrics_url, decode) == decode
+
+
+def test_family_through_prefill_and_decode_equals_transformers(family_cluster):
+    arch, path, workers, router = family_cluster
+    expected = run_prompts(path, workers, router)
+    if arch in MOE:
+        assert_expert_counts(path, workers, expected)
+    elif arch != "GptOssForCausalLM":
+        assert all(expert_tokens(w.metrics_url) is None for w in workers)  # dense: no MoE series
     assert_no_leaks(workers)
+
+
+TWO_RANKS = {"tp2": ("qwen3_moe", ("--tensor-parallel-size", "2")),
+             "ep2": ("mixtral", ("--tensor-parallel-size", "2", "--enable-expert-parallel"))}
+
+
+@pytest.mark.parametrize("case", sorted(TWO_RANKS))
+def test_moe_workers_with_two_ranks_equal_transformers(case, tmp_path, tokenizer_dir):
+    family, flags = TWO_RANKS[case]
+    path = tiny_moe(family, tmp_path, tokenizer_dir)
+    started = start_cluster(path, flags, flags)
+    try:
+        workers, router = started[:2], started[2]
+        expected = run_prompts(path, workers, router)
+        assert_expert_counts(path, workers, expected)  # with EP too: all 8 experts, from rank 0
+        assert_no_leaks(workers)
+    finally:
+        stop_all(started)

@@ -112,7 +112,9 @@ def test_tiny_moe_two_ranks_equal_transformers(moe_case):
     model = engine.runner.model
     assert model.config.moe.intermediate_size == 20  # this rank's slice of each expert's 40
     sparse = model.layers[SPARSE_LAYERS[family][0]].moe
-    assert sparse.weights.w13.shape == (8, 40, 72) and sparse.weights.w2.shape == (8, 72, 20)
+    gate_up, down = sparse.weights.linears[0]  # CPU: each expert's prepacked linears (moe.pack_experts)
+    assert len(sparse.weights.linears) == 8
+    assert (gate_up.out_features, gate_up.in_features, down.out_features, down.in_features) == (40, 72, 72, 20)
     assert_equal([c[0] for c in got], expected)
 
 

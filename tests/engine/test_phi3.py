@@ -8,7 +8,8 @@ decodes well past 32 positions from prompts within 32, against transformers' Phi
 token per pass with its own KV cache (each pass picks the factor set from its largest position, as pdserve
 does per position); Phi3's own `generate` then re-runs the whole sequence with the long factors once it
 passes 32 (its `prepare_inputs_for_generation`), which pdserve does not (engine/model/phi3.py): the tokens
-agree up to that point and the test says where they part. Phi3Config's own reading of config.json (legacy `su` and
+agree up to that point and the test says where they part. With a `sliding_window` (Phi-3-mini-4k) every
+layer slides, as in transformers. Phi3Config's own reading of config.json (legacy `su` and
 `yarn` types, the 4096 default of original_max_position_embeddings) gives the same RoPE tables as
 transformers', and Phi-4-mini's partial rotary is refused by name.
 """
@@ -111,6 +112,16 @@ def test_tiny_phi3_equals_transformers(phi3_dir, phi3_case, variant, fused, monk
     assert type(model).__module__ == "engine.model.llama" and model.config.architecture == "Phi3ForCausalLM"
     assert (model.fused is not None) == (fused == "1")
     assert_equal(got, expected)
+    assert_no_leak(engine)
+
+
+def test_phi3_with_a_sliding_window_equals_transformers(tmp_path, tokenizer_dir, phi3_case):
+    """Phi-3-mini-4k's form: `sliding_window` alone, every layer slides (here over 24 of up to 150 tokens)."""
+    path = tiny_phi3(tmp_path, tokenizer_dir, sliding_window=24)
+    prompts = phi3_case[0]
+    engine, got, _ = run(path, prompts, scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK))
+    assert [a.window for a in engine.runner.model.layer_attention] == [24, 24]
+    assert_equal(got, hf_greedy(path, prompts, NEW_TOKENS))
     assert_no_leak(engine)
 
 

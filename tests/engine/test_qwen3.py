@@ -3,7 +3,8 @@
 A tiny random Qwen3 (odd sizes, GQA 6:2, head_dim 16 where hidden/heads is 12, random q_norm/k_norm
 weights so that mixing them up or skipping them changes the tokens) gives transformers' greedy tokens
 (fp32) token for token: plain, in chunks, from the prefix cache, with 2 tensor-parallel ranks, with the
-fused CPU ops and without them, and with q/k/v biases when config.json asks for them.
+fused CPU ops and without them, and with q/k/v biases when config.json asks for them; with sliding-window
+layers from `max_window_layers` on (full and windowed layers in one model).
 """
 import json
 import random
@@ -103,12 +104,40 @@ def test_an_unsupported_architecture_is_refused_by_name(tmp_path, qwen3_dir):
         ModelConfig.from_dir(tmp_path)
 
 
-def test_qwen3_sliding_window_layers_are_refused_by_field(tmp_path, qwen3_dir):
+@pytest.fixture(scope="module")
+def sliding_qwen3(tmp_path_factory, tokenizer_dir, qwen3_case):
+    """use_sliding_window with max_window_layers 1: layer 0 attends everything, layers 1 and 2 their last 16 keys."""
+    path = tiny_qwen3(tmp_path_factory.mktemp("sliding"), tokenizer_dir, num_hidden_layers=3,
+                      use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    return path, hf_greedy(path, qwen3_case[0], NEW_TOKENS)
+
+
+@pytest.mark.parametrize("variant", ["plain", "chunked", "cached"])
+def test_qwen3_with_sliding_window_layers_equals_transformers(sliding_qwen3, qwen3_case, variant):
+    """A step mixes full and windowed layers; prompts up to 150 tokens, the window 16."""
+    path, expected = sliding_qwen3
+    prompts = qwen3_case[0]
+    kwargs = {"plain": {"cache": CacheConfig(enable_prefix_caching=False)},
+              "chunked": {"scheduler": SchedulerConfig(max_num_batched_tokens=CHUNK),
+                          "cache": CacheConfig(enable_prefix_caching=False)},
+              "cached": {}}[variant]
+    engine, got, _ = run(path, prompts, **kwargs)
+    model = engine.runner.model
+    assert model.config.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
+    assert [a.window for a in model.layer_attention] == [None, 16, 16]
+    if variant == "cached":
+        outputs = engine.generate(prompts, GREEDY)
+        assert sum(o.num_cached_tokens for o in outputs) >= sum(16 * ((len(p) - 1) // 16) for p in prompts)
+        got = [o.completions[0].token_ids for o in outputs]
+    assert_equal(got, expected)
+    assert_no_leak(engine)
+
+
+def test_qwen3_an_unknown_layer_type_is_refused_by_field(tmp_path, qwen3_dir):
     config = json.loads((qwen3_dir / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=16, layer_types=["full_attention", "sliding_attention"])
+    config.update(use_sliding_window=True, sliding_window=16, layer_types=["full_attention", "linear_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"sliding-window attention is not supported \(sliding_window=16, "
-                                         r"layer_types \['full_attention', 'sliding_attention'\]\)"):
+    with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\] are not supported"):
         ModelConfig.from_dir(tmp_path)
 
 

@@ -1,0 +1,147 @@
+"""Gemma 2 and Gemma 3 text (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`) over the paged KV cache.
+
+As transformers 5 computes them (modeling_gemma2.py, modeling_gemma3.py), what differs from Llama:
+  RMSNorm        x * rsqrt(mean(x^2) + eps) in float32, times (1 + weight) in float32, then cast to the
+                 model dtype (Llama casts before the weight); (1 + weight) is taken once at load
+  four norms     per layer: input and post-attention around the attention, pre- and post-feedforward
+                 around the MLP; each branch is normed before it joins the residual
+  embedding      scaled by sqrt(hidden_size), the factor rounded to the model dtype first (as transformers'
+                 `embed_scale` buffer); the LM head is the embedding (tie_word_embeddings is the default)
+  MLP            down(gelu_tanh(gate) * up)
+  attention      scale query_pre_attn_scalar ** -0.5 (`attention_scale`, used by the loader); sliding
+                 windows on the layers `config.layer_types` makes slide (Gemma 2: even layers by default;
+                 Gemma 3: five of every six); Gemma 2 soft-caps the scores (`attn_logit_softcapping`)
+  Gemma 3        q_norm / k_norm (Gemma RMSNorm over each head's head_dim, replicated across
+                 tensor-parallel ranks) before RoPE; its sliding layers have their own RoPE (base
+                 `rope_local_base_freq`, or `rope_parameters["sliding_attention"]`), its full layers the
+                 config's global one (e.g. linear scaling by 8 on Gemma 3 4B and larger)
+  final logits   cap * tanh(logits / cap) when `final_logit_softcapping` is set (Gemma 2: 30), on the
+                 logits `forward` returns, so the sampler and every caller see the capped values
+The fields come from engine/model/gemma_config.py. There is no fused CPU path: Llama's fused kernels
+(engine/model/fused.py) round RMSNorm the Llama way and fuse the norm into the residual add, which
+Gemma's post-norms (normed before the add) and (1 + weight) in float32 do not fit, so every device runs
+the unfused torch ops below (bf16 on CPU included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from engine.model.linear import Linear
+from engine.model.llama import LlamaModel
+from engine.model.model_config import ModelConfig
+from engine.model.rotary import RotaryEmbedding
+from engine.model.weights import CheckpointWeights
+from engine.parallel.tp_group import TPGroup
+
+
+@dataclass
+class GemmaLayerWeights:
+    input_norm: torch.Tensor
+    """Each norm is held as (1 + weight) in float32."""
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    gate_up: Linear
+    down: Linear
+    q_norm: torch.Tensor | None = None
+    """Gemma 3 only: [head_dim], (1 + weight) in float32; k_norm likewise."""
+    k_norm: torch.Tensor | None = None
+
+
+def attention_scale(config: ModelConfig) -> float:
+    """The softmax scale: query_pre_attn_scalar ** -0.5."""
+    return config.family_fields["query_pre_attn_scalar"] ** -0.5
+
+
+def norm_weight(weights: CheckpointWeights, name: str) -> torch.Tensor:
+    """A Gemma norm's (1 + weight) in float32, the weight first rounded to the model dtype (as transformers
+    holds it)."""
+    return 1.0 + weights.take(name).float()
+
+
+def load_layer(weights: CheckpointWeights, i: int, config: ModelConfig) -> GemmaLayerWeights:
+    """Layer i: q|k|v and gate|up merged, the four norms, and Gemma 3's q_norm / k_norm."""
+    prefix = f"model.layers.{i}."
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    qk_norm = config.architecture == "Gemma3ForCausalLM"
+    return GemmaLayerWeights(
+        input_norm=norm_weight(weights, prefix + "input_layernorm.weight"),
+        post_attention_norm=norm_weight(weights, prefix + "post_attention_layernorm.weight"),
+        pre_feedforward_norm=norm_weight(weights, prefix + "pre_feedforward_layernorm.weight"),
+        post_feedforward_norm=norm_weight(weights, prefix + "post_feedforward_layernorm.weight"),
+        qkv=weights.linear([attn + f"{n}_proj" for n in "qkv"], bias=config.qkv_bias),
+        o_proj=weights.linear([attn + "o_proj"], bias=attn + "o_proj.bias" in weights, row_parallel=True),
+        gate_up=weights.linear([mlp + "gate_proj", mlp + "up_proj"]),
+        down=weights.linear([mlp + "down_proj"], row_parallel=True),
+        q_norm=norm_weight(weights, attn + "q_norm.weight") if qk_norm else None,
+        k_norm=norm_weight(weights, attn + "k_norm.weight") if qk_norm else None,
+    )
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm with `weight` = (1 + w) in float32: computed in float32, cast back at the end."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight).to(x.dtype)
+
+
+class Model(LlamaModel):
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[GemmaLayerWeights],
+                 final_norm: torch.Tensor, lm_head: Linear, attention: AttentionBackend,
+                 max_positions: int, tp: TPGroup | None = None) -> None:
+        super().__init__(config, embed, layers, 1.0 + final_norm.float(), lm_head, attention, max_positions, tp)
+        self.fused = None  # see the module docstring
+        fields = config.family_fields
+        self.final_softcap: float | None = fields["final_logit_softcapping"]
+        self.normalizer = torch.tensor(config.hidden_size ** 0.5).to(embed.dtype)
+        """sqrt(hidden_size) in the model dtype, the embedding's scale."""
+        self.local_rotary = self.rotary
+        """The sliding layers' RoPE: Gemma 3's own, Gemma 2's shared with the full layers."""
+        if fields["local_rope_theta"] is not None:
+            self.local_rotary = RotaryEmbedding(config.head_dim, max_positions, fields["local_rope_theta"],
+                                                fields["local_rope_scaling"], embed.dtype, embed.device)
+
+    def attention_of(self, i: int) -> LayerAttention:
+        """Layer i's sliding window (where it slides) and Gemma 2's attention soft-cap."""
+        window = self.config.sliding_window if self.config.is_sliding(i) else None
+        return LayerAttention(window=window, softcap=self.config.family_fields["attn_logit_softcapping"])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The logits (soft-capped where the config says so) of `logits_indices`, in the model dtype.
+
+        kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+        """
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        x = self.embed_tokens(input_ids) * self.normalizer
+        rope = self.rotary.lookup(positions)
+        local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.lookup(positions)
+        for i, w in enumerate(self.layers):
+            h = gemma_rms_norm(x, w.input_norm, eps)
+            qk, v = w.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(num_tokens, -1, cfg.head_dim)
+            if w.q_norm is not None:
+                qk = torch.cat([gemma_rms_norm(qk[:, :cfg.num_heads], w.q_norm, eps),
+                                gemma_rms_norm(qk[:, cfg.num_heads:], w.k_norm, eps)], dim=1)
+            cos, sin = local_rope if cfg.is_sliding(i) else rope
+            q, k = self.rotary.apply(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.kv_scales[i],
+                                          self.layer_attention[i])
+            h = w.o_proj(attn.reshape(num_tokens, self.q_size))
+            x = x + gemma_rms_norm(h, w.post_attention_norm, eps)
+            gate, up = w.gate_up(gemma_rms_norm(x, w.pre_feedforward_norm, eps)).chunk(2, dim=-1)
+            h = w.down(F.gelu(gate, approximate="tanh") * up)
+            x = x + gemma_rms_norm(h, w.post_feedforward_norm, eps)
+        logits = self.lm_head(gemma_rms_norm(x[logits_indices], self.final_norm, eps))
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
