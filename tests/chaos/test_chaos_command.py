@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 def test_a_short_chaos_run_kills_restarts_and_reports(smollm2_dir, tmp_path):
     report_file = tmp_path / "chaos.json"
     done = subprocess.run([sys.executable, "-m", "pdserve.cli", "chaos", "--prefill", "0", "--decode", "2",

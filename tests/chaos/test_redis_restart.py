@@ -74,7 +74,11 @@ def test_redis_restarted_empty_under_load_fails_no_request(chaos_cluster):
                 f"workers did not come back through the restarted Redis: registered "
                 f"{sorted(registered_addresses(redis_server))}, expected {sorted(w.address for w in workers)}")
             time.sleep(0.2)
-        time.sleep(3)
+        back = len(results)
+        deadline = time.monotonic() + 60
+        while len(results) < back + CLIENTS:  # requests keep completing after the recovery too
+            assert time.monotonic() < deadline, f"no load after the recovery: {results[back:]}"
+            time.sleep(0.2)
     finally:
         stop.set()
         for t in threads:

@@ -95,6 +95,7 @@ async def http_exchange(http: httpx.AsyncClient, url: str, rng: random.Random, a
     return "200"
 
 
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 def test_a_thousand_requests_ended_every_which_way_all_end_with_a_status(chaos_cluster):
     cluster = chaos_cluster
     router = cluster["front"]

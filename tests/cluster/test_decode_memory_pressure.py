@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from common.grpc_common import insecure_channel
 from common.protocol import generate_pb2, generate_pb2_grpc
 from loadtest.chaos.processes import stop_all
@@ -15,6 +17,7 @@ PROMPTS = [f"Story {i}: once upon a time there was a little robot who wanted to 
            for i, topic in enumerate(["the sea", "stars", "music", "trees", "cities", "rain", "bridges", "snow"])]
 
 
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, smollm2_dir):
     # ~13 blocks of 16 tokens: room for about three of these requests at their full length; requests
     # that find no blocks for their pull within 0.3 s recompute their prompt here instead (the three

@@ -104,6 +104,7 @@ def cluster(smollm2_dir):
         stop_all(started)
 
 
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 def test_sigterm_drains_router_and_decode_worker_during_a_long_generation(cluster):
     prefill, decode, router, impatient = cluster
     cut_short = LongGeneration(impatient.address)

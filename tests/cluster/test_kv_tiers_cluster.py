@@ -3,6 +3,8 @@ again, announce it to the router (KV events with medium "disk") and serve a retu
 import random
 import time
 
+import pytest
+
 from tests.cluster.harness import (
     assert_no_leaks,
     free_port,
@@ -15,6 +17,7 @@ from tests.cluster.harness import (
 )
 
 
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 def test_restarted_workers_serve_a_prefix_from_their_disk_tier(tmp_path):
     rng = random.Random(7)
     prompt = [rng.randrange(1000, 40000) for _ in range(200)]  # 12 full blocks

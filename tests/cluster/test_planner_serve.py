@@ -14,6 +14,8 @@ import re
 import time
 import urllib.request
 
+import pytest
+
 from loadtest.chaos.processes import ManagedProcess
 from loadtest.config import DatasetConfig, LoadTestConfig
 from loadtest.runner import run
@@ -26,6 +28,7 @@ PLANNER_FLAGS = ["--planner", "--max-prefill", "2", "--max-decode", "2", "--slo-
 SCHEDULE = ((0.5, 10.0), (3.0, 20.0), (0.5, 30.0))
 
 
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 def test_planner_adds_workers_under_load_and_drains_them_after(tmp_path, smollm2_dir):
     metrics_port = free_port()
     log = tmp_path / "serve.log"

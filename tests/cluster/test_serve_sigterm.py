@@ -47,6 +47,7 @@ def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Proces
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 @pytest.mark.parametrize("extra", [[], ["--planner", "--max-prefill", "2", "--max-decode", "2"]],
                          ids=["serve", "serve-planner"])
 def test_sigterm_drains_serve_and_leaves_no_process(smollm2_dir, extra):

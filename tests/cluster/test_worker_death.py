@@ -20,17 +20,18 @@ def test_killed_workers_leave_rotation_and_the_rest_complete(router_2p2d, worker
     started = threading.Semaphore(0)
 
     def run(rid: str) -> None:
+        chunks = 0
         try:
-            first = True
             for msg in stub.Generate(long_request(rid, max_tokens=150), timeout=300):
-                if first:
+                chunks += 1
+                if chunks == 2:  # a second chunk: the stream is past prefill, decoding on a decode worker
                     started.release()
-                    first = False
                 if msg.HasField("complete"):
                     outcomes[rid] = "complete"
         except grpc.RpcError as exc:
             outcomes[rid] = exc.code().name
-            if first:
+        finally:
+            if chunks < 2:
                 started.release()
 
     threads = [threading.Thread(target=run, args=(f"k{i}",)) for i in range(6)]
@@ -38,7 +39,6 @@ def test_killed_workers_leave_rotation_and_the_rest_complete(router_2p2d, worker
         t.start()
     for _ in threads:
         assert started.acquire(timeout=120)
-    time.sleep(1.0)  # all decoding now, spread over both decode workers
     victim = workers["decode"][1]
     migrated = metric_value(router_2p2d.metrics_url, "pdserve:request_migrations_total", reason="worker_lost")
     victim.kill()

@@ -124,6 +124,20 @@ class Prometheus:
             time.sleep(0.5)
         raise AssertionError(f"targets not up: {self.api('targets')['data']['activeTargets']}")
 
+    def wait_for_scrapes_after(self, since: float, jobs: list[str], scrapes: int = 2, timeout: float = 30) -> None:
+        """Until every target of these jobs was scraped `scrapes` times after `since` (wall-clock seconds):
+        what a rate over the latest samples needs, without sleeping for a guessed number of intervals."""
+        deadline = time.monotonic() + timeout
+        for _ in range(scrapes):
+            while True:
+                mine = [t for t in self.api("targets")["data"]["activeTargets"] if t["labels"]["job"] in jobs]
+                last = [_timestamp(t["lastScrape"]) for t in mine]
+                if mine and all(t["health"] == "up" for t in mine) and min(last) > since:
+                    since = max(last)
+                    break
+                assert time.monotonic() < deadline, f"no scrape of {jobs} after {since}"
+                time.sleep(0.2)
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -132,3 +146,13 @@ class Prometheus:
             self.proc.kill()
             self.proc.wait(10)
         self.log.close()
+
+
+def _timestamp(rfc3339: str) -> float:
+    """Prometheus's `lastScrape` (RFC 3339, nanosecond fraction) as Unix seconds."""
+    from datetime import datetime
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", rfc3339)
+    assert match, rfc3339
+    head, frac, zone = match.groups()
+    stamp = datetime.fromisoformat(head + ("+00:00" if zone == "Z" else zone))
+    return stamp.timestamp() + (float(frac) if frac else 0.0)

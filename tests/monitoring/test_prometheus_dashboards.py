@@ -76,7 +76,7 @@ def test_dashboards_and_alerts_query_a_live_cluster(cluster, prometheus):
                                 progress=False, request_timeout_s=120))
     summary = result.summary
     assert summary["completed"] == NUM_PROMPTS, summary.get("failures_by_status")
-    time.sleep(3)  # a few scrapes after the last request
+    prometheus.wait_for_scrapes_after(time.time(), list(cluster[1]))  # the last request's samples are in
     at = time.time()
 
     # 2. Server-side TTFT p50 (the router's histogram) against the client-side p50.
@@ -95,7 +95,7 @@ def test_dashboards_and_alerts_query_a_live_cluster(cluster, prometheus):
     with pytest.raises(grpc.RpcError) as failed:
         list(generation_stub(address).Generate(generate_pb2.GenerateRequest(request_id="bad"), timeout=30))
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    time.sleep(3)
+    prometheus.wait_for_scrapes_after(time.time(), list(cluster[1]))
 
     # 4. Every expression parses, every metric it names is exported, and it returns data.
     exported = set(prometheus.api("label/__name__/values")["data"])

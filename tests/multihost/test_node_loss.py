@@ -40,6 +40,7 @@ def wait_for(what: str, check, timeout: float, output: list[str]):
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 @pytest.mark.timeout(1200)  # three worker starts, each minutes long on a busy machine
 def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hosts, tmp_path):
     hosts, env, head = ray_hosts.hosts, ray_hosts.env, ray_hosts.head

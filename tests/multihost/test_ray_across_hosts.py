@@ -10,6 +10,8 @@ import re
 import sys
 import time
 
+import pytest
+
 from tests.cluster.harness import WORKER_FLAGS
 from tests.cluster.test_cluster_outputs import run_cli
 from tests.multihost.conftest import PROBE
@@ -18,6 +20,7 @@ ROUTER_PORT, METRICS_PORT = 50061, 9461
 PROMPT = ", ".join(str(i) for i in range(60))  # ~230 tokens: prefilled on host 2, not by the decode worker
 
 
+@pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 def test_serve_places_pools_on_their_hosts_and_kv_crosses_the_link(ray_hosts, tmp_path):
     hosts, env, head = ray_hosts.hosts, ray_hosts.env, ray_hosts.head
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "mh", "prompt": PROMPT, "temperature": 0, "max_tokens": 12,
