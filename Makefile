@@ -35,19 +35,14 @@ system-packages:
 	    $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-# The suite mostly waits (processes starting, streams, timeouts): two pytest workers overlap that on two
-# cores. Tests sharing a module's or a package's fixtures stay in one worker (tests/conftest.py).
-TEST_WORKERS ?= 2
-PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
-
 test: setup system-packages
 	$(PY) -m ruff check .
-	$(PYTEST) --durations=25 tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The inner loop: everything but the long scenario tests (marked slow).
 test-fast: setup system-packages
 	$(PY) -m ruff check .
-	$(PYTEST) -m "not slow" --durations=10 tests
+	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
 bench: setup
 	$(PY) bench/offline_throughput.py

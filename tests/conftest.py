@@ -14,24 +14,6 @@ if not torch.cuda.is_available():
     # model modules do, and triton decides interpreted or compiled once, when it is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-PACKAGE_CLUSTERS = {"tests/cluster": {"workers", "router_1p1d", "router_2p2d", "http_router"},
-                    "tests/chaos": {"chaos_cluster", "offline_engine"}}
-"""Package-scoped fixtures (a running cluster) and where they live: the tests using one run in one worker
-under `pytest -n` (pytest-xdist), in file order, so it is started once and torn down last."""
-
-
-def pytest_collection_modifyitems(config, items):
-    """Group the tests for `pytest -n N --dist loadgroup` (the Makefile's): a module's tests share its
-    module-scoped fixtures (a loaded model, a transformers reference), so they stay together; the tests
-    of a package-scoped cluster stay together across modules (PACKAGE_CLUSTERS)."""
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = path
-        for package, fixtures in PACKAGE_CLUSTERS.items():
-            if path.startswith(package + "/") and fixtures & set(item.fixturenames):
-                group = package
-        item.add_marker(pytest.mark.xdist_group(group))
-
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
