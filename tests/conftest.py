@@ -82,3 +82,24 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, device: 
             out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+def assert_equal(got: list[list[int]], expected: list[list[int]]) -> None:
+    """Token lists equal prompt by prompt, naming the first prompt that differs."""
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"prompt {i} differs"
+
+
+DROP = object()
+"""A `with_config` value that deletes the field."""
+
+
+def with_config(src, dst, **changes):
+    """A copy of checkpoint `src` at `dst` whose config.json has `changes` (DROP deletes a field)."""
+    import json
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not DROP}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst

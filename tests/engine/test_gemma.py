@@ -11,9 +11,7 @@ shows that transformers itself answers differently without each feature, so the 
 The older config forms (Gemma 3's sliding_window_pattern / rope_local_base_freq / rope_scaling, Gemma 2
 without layer_types) read as transformers reads them; multimodal and unimplemented fields are refused by name.
 """
-import json
 import random
-import shutil
 
 import pytest
 import torch
@@ -22,12 +20,11 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
-from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
+from tests.conftest import DROP, assert_equal, hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint, with_config
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
 from tests.engine.test_tensor_parallel import generate
 
 CHUNK = 32
-DROP = object()
 WINDOW = 24
 SLIDING, FULL = "sliding_attention", "full_attention"
 COMMON = dict(vocab_size=49152, hidden_size=72, intermediate_size=100, num_hidden_layers=4, num_attention_heads=6,
@@ -56,14 +53,6 @@ def tiny_gemma(family, path, tokenizer_dir, **overrides):
     return save_tiny_checkpoint(model, path, tokenizer_dir)
 
 
-def with_config(src, dst, **changes):
-    """A copy of checkpoint `src` at `dst` whose config.json has `changes` (DROP deletes a field)."""
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config.update(changes)
-    config = {k: v for k, v in config.items() if v is not DROP}
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +75,6 @@ def prompts():
 def expected(gemma_dirs, prompts):
     return {family: hf_greedy(path, prompts, NEW_TOKENS) for family, path in gemma_dirs.items()}
 
-
-def assert_equal(got, expected):
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i} differs"
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

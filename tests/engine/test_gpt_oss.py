@@ -31,7 +31,7 @@ from engine.model import gpt_oss
 from engine.model.model_config import ModelConfig
 from engine.model.mxfp4 import E2M1_VALUES, dequantize
 from engine.model.rotary import RotaryEmbedding, inverse_frequencies
-from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
+from tests.conftest import assert_equal, hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint, with_config
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
 from tests.engine.test_tensor_parallel import generate
 
@@ -81,18 +81,7 @@ def expected(gpt_oss_dir, prompts):
     return hf_greedy(gpt_oss_dir, prompts, NEW_TOKENS)
 
 
-def assert_equal(got, expected):
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i} differs"
 
-
-def with_config(src, dst, **changes):
-    """A copy of checkpoint `src` at `dst` whose config.json has `changes`."""
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config.update(changes)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 # ---- greedy equal to transformers ------------------------------------------------------------------------------

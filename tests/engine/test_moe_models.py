@@ -17,7 +17,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model.model_config import ModelConfig
 from engine.parallel.sharding import check_tp_size
-from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
+from tests.conftest import assert_equal, hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
 from tests.engine.test_tensor_parallel import generate
 
@@ -56,10 +56,6 @@ def moe_case(request, tmp_path_factory, tokenizer_dir):
     assert max(map(len, prompts)) > 3 * CHUNK
     return request.param, path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
 
-
-def assert_equal(got, expected):
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i} differs"
 
 
 def hf_expert_counts(path, sequences: list[list[int]]) -> dict[int, torch.Tensor]:

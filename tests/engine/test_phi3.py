@@ -29,7 +29,7 @@ from engine.model.quantization import FP8_DTYPE
 from engine.model.rope_scaling import attention_factor
 from engine.model.rotary import inverse_frequencies
 from engine.sampling_params import SamplingParams
-from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
+from tests.conftest import assert_equal, hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
 from tests.engine.test_tensor_parallel import generate
 
@@ -95,10 +95,6 @@ def stepped_greedy(model_dir, prompts: list[list[int]], new_tokens: int) -> list
             outputs.append(out)
     return outputs
 
-
-def assert_equal(got, expected):
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i} differs"
 
 
 @pytest.mark.parametrize("fused", ["1", "0"])

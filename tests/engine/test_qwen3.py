@@ -15,7 +15,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.model.model_config import ModelConfig
-from tests.conftest import hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
+from tests.conftest import assert_equal, hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
 from tests.engine.test_tensor_parallel import generate
 
@@ -49,10 +49,6 @@ def qwen3_case(qwen3_dir):
     assert max(map(len, prompts)) > 3 * CHUNK
     return prompts, hf_greedy(qwen3_dir, prompts, NEW_TOKENS)
 
-
-def assert_equal(got, expected):
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i} differs"
 
 
 @pytest.mark.parametrize("fused", ["1", "0"])
