@@ -144,8 +144,11 @@ def test_triton_fused_moe_matches_torch_path(family, num_tokens):
 
 
 def test_empty_step(family):
-    _, _, spec, weights = family
-    hidden = torch.zeros(0, HIDDEN)
+    _, _, spec, w = family
+    # On the Triton test device: compiled Triton (a GPU host) refuses CPU tensors, the interpreter takes them.
+    weights = MoeWeights(*(t.to(DEVICE) if t is not None else None
+                           for t in (w.router, w.w13, w.w2, w.router_bias, w.b13, w.b2)))
+    hidden = torch.zeros(0, HIDDEN, device=DEVICE)
     topk_weights, ids = route(hidden, weights, spec)
     for out in (moe_forward(hidden, weights, spec), fused_moe(hidden, weights, spec, topk_weights, ids)):
         assert out.hidden.shape == (0, HIDDEN) and out.expert_counts.tolist() == [0] * EXPERTS
