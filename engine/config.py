@@ -19,9 +19,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "token budget of one engine step (prefill chunks plus decode tokens)"})
     """Token budget of one engine step (prefill chunks plus decode tokens)."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences running at once"})
     """Most sequences running at once."""
 
     def __post_init__(self) -> None:
@@ -33,22 +34,28 @@ class SchedulerConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
     """Tokens per KV block."""
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "flag": "--kv-cache-memory-gib", "unit": "GiB",
+        "help": "KV cache size (default: 2 on CPU; on CUDA what --gpu-memory-utilization leaves)"})
     """Memory budget for the KV cache; the number of blocks is derived from it. None: on CUDA, what
     gpu_memory_utilization leaves after weights and the activation peak; on CPU, 2 GiB. With tensor
     parallelism, per rank (a rank's block holds only its KV heads, so N ranks hold N times the tokens)."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "CUDA: fraction of device memory for weights, activations and the KV cache"})
     """CUDA: the fraction of the device's memory this engine may use in all (weights, activations, KV)."""
     num_blocks: int | None = None
     """Exact number of KV blocks (overrides the memory budget; for tests)."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "flag": "--no-prefix-caching", "help": "do not reuse the KV of prompt blocks shared with earlier prompts"})
     """Reuse KV of full blocks shared with earlier prompts."""
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "choices": KV_CACHE_DTYPES,
+        "help": "auto: the model's dtype; fp8: float8_e4m3 K/V with per-layer scales (half the bytes)"})
     """auto (the model's dtype) or fp8 / fp8_e4m3 (float8_e4m3fn with per-layer scales: half of bf16's bytes
     per block, so twice the blocks in one budget, at a small cost in precision)."""
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig, metadata={"group": "KV cache tiers"})
     """KV tiers below the pool: evicted prefix blocks kept in host memory and on local disk."""
 
     def __post_init__(self) -> None:
@@ -75,15 +82,20 @@ class CacheConfig:
 class SpeculativeConfig:
     """Speculative decoding (exact): a proposer guesses the next tokens, one target forward verifies them."""
 
-    method: str | None = None
+    method: str | None = field(default=None, metadata={
+        "flag": "--speculative-method", "choices": SPECULATIVE_METHODS,
+        "help": "speculative decoding (exact): ngram (prompt lookup) or draft (--speculative-model)"})
     """None (off), ngram (prompt lookup in the sequence's own tokens) or draft (a smaller model)."""
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = field(default=4, metadata={
+        "help": "tokens proposed per sequence and step (K); a verifying step computes K + 1"})
     """Most tokens proposed per sequence and step (K); a verifying step computes K + 1 tokens."""
-    model: str | None = None
+    model: str | None = field(default=None, metadata={
+        "flag": "--speculative-model",
+        "help": "draft checkpoint directory (same tokenizer as --model) for --speculative-method draft"})
     """draft: directory of the draft checkpoint (same tokenizer as the target)."""
-    ngram_min: int = 1
+    ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix looked up"})
     """ngram: shortest suffix of the sequence looked up in its earlier tokens."""
-    ngram_max: int = 4
+    ngram_max: int = field(default=4, metadata={"help": "ngram: longest suffix looked up (tried first)"})
     """ngram: longest suffix tried first."""
 
     def __post_init__(self) -> None:
@@ -105,37 +117,49 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    model: str = "default"
+    model: str = field(default="default", metadata={
+        "help": "checkpoint directory, or 'default' (SmolLM2-135M-Instruct)"})
     """A directory with config.json and *.safetensors, or 'default' (SmolLM2-135M-Instruct)."""
-    dtype: str = "auto"
+    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": "weights' and activations' dtype"})
     """auto (the checkpoint's dtype), float32, bfloat16 or float16."""
-    device: str = "auto"
+    device: str = field(default="auto", metadata={"help": "auto (cuda when a GPU is present), cpu or cuda[:N]"})
     """torch device for weights and KV: cpu, cuda[:N], or auto (cuda when a GPU is present, else cpu)."""
-    max_model_len: int | None = None
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt plus output (default: the model's max_position_embeddings)"})
     """Longest prompt plus output; defaults to the model's max_position_embeddings."""
-    attention_backend: str = "auto"
+    attention_backend: str = field(default="auto", metadata={
+        "choices": ATTENTION_BACKENDS, "help": "auto: triton on CUDA, torch on CPU"})
     """torch (CPU and CUDA), triton (our paged kernels: CUDA, or CPU under the interpreter), flash,
     or auto (triton on CUDA, torch on CPU)."""
-    cuda_graphs: bool = True
+    cuda_graphs: bool = field(default=True, metadata={
+        "flag": "--enforce-eager", "help": "CUDA: no graphs for decode batches"})
     """CUDA: replay captured graphs for decode batches (eager prefill and mixed steps)."""
     overlap_steps: bool | None = None
     """Launch step N+1 before detokenizing and reporting step N; None: on CUDA, where the launch is
     asynchronous (on CPU it would delay every report by a whole step)."""
-    quantization: str | None = None
+    quantization: str | None = field(default=None, metadata={
+        "choices": QUANTIZATIONS,
+        "help": "quantize the layers' linear weights at load: int8 (weight-only) or fp8 (e4m3); "
+                "a checkpoint already in fp8 needs no flag"})
     """Weights of the four linears of each layer: None (the checkpoint's own: unquantized, or fp8 for an
     fp8 checkpoint), int8 (weight-only, per channel) or fp8 (e4m3, per channel), quantized at load."""
     seed: int = 0
     """Seed for requests that give none."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes (GPUs on CUDA) that split each layer's heads and MLP; must divide the "
+                "model's attention and KV head counts"})
     """Ranks (processes; GPUs on CUDA) that split each layer's heads and MLP, and the KV heads of every
     block, as vLLM does (engine/parallel/). Must divide the model's attention and KV head counts."""
-    enable_expert_parallel: bool = False
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "Mixture-of-Experts models with --tensor-parallel-size > 1: each rank holds whole experts "
+                "(E / ranks of them) instead of a slice of every expert; attention stays split by heads"})
     """Mixture-of-Experts models with tensor_parallel_size > 1: each rank holds E / tensor_parallel_size whole
     experts instead of a slice of every expert; attention stays split by heads
     (engine/parallel/expert_parallel.py). Refused for a dense model, one rank, or an E the ranks do not split."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig, metadata={"group": "KV cache"})
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
+                                           metadata={"group": "speculative decoding"})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -16,14 +16,20 @@ NIXL_EXPOSE = ("lease", "pool")
 class KVTransferConfig:
     """Settings shared by both sides; validated on construction."""
 
-    backend: str = "auto"
+    backend: str = dataclasses.field(default="auto", metadata={
+        "flag": "--kv-transfer-backend", "choices": BACKENDS,
+        "help": "auto: NIXL if it imports and a self-test works, else TCP"})
     """``"auto"`` (NIXL if it imports and a self-test works, else TCP), ``"nixl"`` or ``"tcp"``.
     TCP moves CUDA KV too, through pinned host staging buffers (see ``staging``)."""
-    host: str = "127.0.0.1"
+    host: str = dataclasses.field(default="127.0.0.1", metadata={
+        "flag": "--kv-transfer-host", "flag_default": None,
+        "help": "interface of the KV transfer listener (default: the gRPC host)"})
     """Address the sender's control listener binds to."""
-    port: int = 0
+    port: int = dataclasses.field(default=0, metadata={
+        "flag": "--kv-transfer-port", "help": "port of the KV transfer listener (0: any free port)"})
     """Port of the sender's control listener; 0 picks a free one."""
-    advertise_host: str | None = None
+    advertise_host: str | None = dataclasses.field(default=None, metadata={
+        "flag": "--advertise-host", "help": "host peers dial for KV transfers"})
     """Host written into the peer info handed to receivers (default: ``host``, or the
     primary address when ``host`` is ``0.0.0.0``); set it behind NAT / in Kubernetes."""
     default_timeout_s: float = 30.0

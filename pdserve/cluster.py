@@ -27,11 +27,11 @@ from common.cluster_auth import ClusterAuthConfig
 from common.cluster_auth.dev_pki import make_cluster_pki
 from common.cluster_auth.secret import ENV_VALUE, secret_file_for_cluster
 from common.cluster_auth.tls import InternalTLSConfig
+from pdserve.cluster_config import ClusterConfig
 from pdserve.cluster_placement import NodeSlot, actor_options, free_port, pick_nodes, probe_node_slots
 from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, least_loaded_node, supervise
-from pdserve.ray_network import AUTH_MODE_ENV, check_ray_auth, init_private_ray, loopback_only_ray
+from pdserve.ray_network import init_private_ray, loopback_only_ray
 from pdserve.worker_actor import WORKER_START_TIMEOUT_S, WorkerProcess
-from planner.config import PlannerConfig
 from router.config import RouterConfig
 from router.server import RouterServer, WorkersUnreachable
 from worker_runtime.config import WorkerConfig
@@ -40,67 +40,6 @@ logger = logging.getLogger(__name__)
 ACTOR_MAX_RESTARTS = 3
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # serve drains on them, whatever handlers `ray.init` installs
 WORKER_STOP_DRAIN_S = 10.0  # workers' drain at stop, after the router's (which let the streams finish)
-
-
-@dataclasses.dataclass
-class ClusterConfig:
-    router: RouterConfig
-    worker: WorkerConfig
-    """Template for every worker (role and port are set per worker)."""
-    num_prefill: int = 1
-    num_decode: int = 1
-    ray_address: str | None = None
-    log_level: str = "WARNING"
-    internal_tls: bool = False
-    """Mutual TLS on router -> worker gRPC and the KV links, with certificates of a throwaway CA made
-    at start (one host only: the files live in a private temporary directory)."""
-
-    prefill_tensor_parallel_size: int | None = None
-    """Ranks of each prefill worker (None: the worker template's --tensor-parallel-size)."""
-    decode_tensor_parallel_size: int | None = None
-    """Ranks of each decode worker (None: the worker template's); may differ from prefill's."""
-    follow_ray_nodes: bool = False
-    """With ray_address: every node declaring `pdserve_<role>: N` runs N workers of the role, as nodes come
-    and go (the chart's RayCluster resized by `pdserve planner`); see NodeSupervisor.follow_nodes."""
-    planner: PlannerConfig | None = None
-    """`--planner`: resize the pools from live TTFT/ITL (planner/), starting from num_prefill/num_decode."""
-    ray_auth_mode: str = dataclasses.field(default_factory=lambda: os.environ.get(AUTH_MODE_ENV, ""))
-    """Ray's RAY_AUTH_MODE (Ray reads it from the environment): `token` is needed to join other hosts."""
-
-    def most_workers(self, role: str) -> int:
-        """Workers of `role` there may be at once: the planner's max, else the count asked for (a private
-        Ray cluster gets a CPU per rank of them, so a scale-up is never left pending)."""
-        count = getattr(self, f"num_{role}")
-        return max(count, self.planner.bounds(role).max_workers) if self.planner is not None else count
-
-    def tensor_parallel_size(self, role: str) -> int:
-        size = getattr(self, f"{role}_tensor_parallel_size")
-        return self.worker.engine.tensor_parallel_size if size is None else size
-
-    def __post_init__(self) -> None:
-        for role in ("prefill", "decode"):
-            size = getattr(self, f"{role}_tensor_parallel_size")
-            if size is not None and size < 1:
-                raise ValueError(f"--{role}-tensor-parallel-size must be >= 1, got {size}")
-        if self.internal_tls and self.ray_address is not None:
-            raise ValueError("--internal-tls makes certificates on this machine only; with --ray-address give "
-                             "--internal-tls-cert/--internal-tls-key/--internal-tls-ca files present on every node")
-        if self.internal_tls and (self.worker.tls.enabled or self.router.worker_tls.enabled):
-            raise ValueError("--internal-tls makes its own certificates: not with --internal-tls-cert/key/ca")
-        if self.num_prefill < 0:
-            raise ValueError("--prefill must be >= 0 (0: decode workers prefill themselves)")
-        if self.num_decode < 1:
-            raise ValueError("--decode must be >= 1")
-        if self.follow_ray_nodes and (self.ray_address is None or self.planner is not None):
-            raise ValueError("--follow-ray-nodes needs --ray-address, and sizes the pools by the cluster's nodes: "
-                             "not with --planner (which sizes them by starting actors)")
-        if self.planner is not None:
-            for role in ("prefill", "decode"):
-                count, bounds = getattr(self, f"num_{role}"), self.planner.bounds(role)
-                if not bounds.min_workers <= count <= bounds.max_workers:
-                    raise ValueError(f"--{role} {count} is outside the planner's --min-{role} "
-                                     f"{bounds.min_workers} .. --max-{role} {bounds.max_workers}")
-        check_ray_auth(self.ray_address, self.ray_auth_mode)
 
 
 class RayCluster:

@@ -1,68 +1,46 @@
-"""Flags of `pdserve planner` (its own process, e.g. a Deployment scaling the chart's pools through
-the Kubernetes API) and of `pdserve serve --planner` (the same planner over serve's Ray actors)."""
+"""`pdserve planner`: its own process (e.g. a Deployment scaling the chart's pools through the Kubernetes API),
+its flags (PlannerConfig's, as `pdserve serve --planner` takes them, plus the routers and Kubernetes objects)."""
 from __future__ import annotations
 
 import argparse
 import threading
 
+from common.config_flags import ConfigFlags, comma_list
 from planner.config import PlannerConfig
 
-
-def add_planner_args(p: argparse.ArgumentParser, in_serve: bool) -> None:
-    d = PlannerConfig()
-    if in_serve:
-        p.add_argument("--planner", action="store_true",
-                       help="resize the prefill and decode pools from live TTFT/ITL (starting from --prefill and "
-                            "--decode), draining workers before removing them")
-    p.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_s * 1e3, help="TTFT p90 SLO the prefill pool "
-                   "is sized for")
-    p.add_argument("--slo-itl-ms", type=float, default=d.slo_itl_s * 1e3, help="ITL p90 SLO the decode pool is "
-                   "sized for")
-    p.add_argument("--interval-s", type=float, default=d.interval_s, help="how often the planner decides")
-    p.add_argument("--window-s", type=float, default=d.window_s, help="percentiles and rates over this much "
-                   "of the recent past")
-    for role in ("prefill", "decode"):
-        p.add_argument(f"--min-{role}", type=int, default=getattr(d, f"min_{role}"))
-        p.add_argument(f"--max-{role}", type=int, default=getattr(d, f"max_{role}"))
-    p.add_argument("--scale-up-cooldown-s", type=float, default=d.scale_up_cooldown_s)
-    p.add_argument("--scale-down-cooldown-s", type=float, default=d.scale_down_cooldown_s)
-    p.add_argument("--scale-down-window-s", type=float, default=d.scale_down_window_s,
-                   help="remove a worker only after this long of load the others could carry")
-    if not in_serve:
-        p.add_argument("--router-metrics", required=True,
-                       help="comma-separated URLs of the routers' /metrics; a host name resolving to several "
-                            "addresses (a headless Service) is read at each")
-        p.add_argument("--backend", choices=["kubernetes"], default="kubernetes")
-        p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: the in-cluster service "
-                       "account)")
-        p.add_argument("--namespace", default="default")
-        p.add_argument("--prefill-deployment", default=None, help="scale these Deployments (the chart's "
-                       "deployments mode)")
-        p.add_argument("--decode-deployment", default=None)
-        p.add_argument("--raycluster", default=None, help="scale this RayCluster's worker groups instead")
-        p.add_argument("--prefill-group", default="prefill")
-        p.add_argument("--decode-group", default="decode")
-        p.add_argument("--metrics-port", type=int, default=None, help="serve the planner's metrics here")
-        p.add_argument("--host", default="0.0.0.0", help="address of the metrics server")
+PLANNER_FLAGS = ConfigFlags(PlannerConfig, "planner")
+"""The planner's own flags (`pdserve serve --planner` gets them from ClusterConfig.planner)."""
 
 
-def planner_config_from_args(args: argparse.Namespace) -> PlannerConfig:
-    return PlannerConfig(
-        slo_ttft_s=args.slo_ttft_ms / 1e3, slo_itl_s=args.slo_itl_ms / 1e3, interval_s=args.interval_s,
-        window_s=args.window_s, min_prefill=args.min_prefill, max_prefill=args.max_prefill,
-        min_decode=args.min_decode, max_decode=args.max_decode, scale_up_cooldown_s=args.scale_up_cooldown_s,
-        scale_down_cooldown_s=args.scale_down_cooldown_s, scale_down_window_s=args.scale_down_window_s)
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    """`pdserve planner`: the PlannerConfig flags, the routers to read and the Kubernetes objects to scale."""
+    PLANNER_FLAGS.add_to(p)
+    p.add_argument("--router-metrics", required=True,
+                   help="comma-separated URLs of the routers' /metrics; a host name resolving to several "
+                        "addresses (a headless Service) is read at each")
+    p.add_argument("--backend", choices=["kubernetes"], default="kubernetes")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: the in-cluster service "
+                   "account)")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--prefill-deployment", default=None, help="scale these Deployments (the chart's "
+                   "deployments mode)")
+    p.add_argument("--decode-deployment", default=None)
+    p.add_argument("--raycluster", default=None, help="scale this RayCluster's worker groups instead")
+    p.add_argument("--prefill-group", default="prefill")
+    p.add_argument("--decode-group", default="decode")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve the planner's metrics here")
+    p.add_argument("--host", default="0.0.0.0", help="address of the metrics server")
 
 
 def prepare(args: argparse.Namespace):
     """Validate `pdserve planner`'s flags; return the command to run."""
     from planner.kubernetes_scaler import KubernetesScaler, KubernetesTargetConfig
 
-    config = planner_config_from_args(args)
+    config = PLANNER_FLAGS.build(args)
     target = KubernetesTargetConfig(namespace=args.namespace, prefill_deployment=args.prefill_deployment,
                                     decode_deployment=args.decode_deployment, raycluster=args.raycluster,
                                     prefill_group=args.prefill_group, decode_group=args.decode_group)
-    urls = [u.strip() for u in args.router_metrics.split(",") if u.strip()]
+    urls = comma_list(args.router_metrics)
     if not urls:
         raise ValueError("--router-metrics needs at least one URL")
     return lambda: run_planner(config, KubernetesScaler.from_config(target, args.kubeconfig), urls,

@@ -12,23 +12,29 @@ class PoolBounds:
 
 @dataclasses.dataclass
 class PlannerConfig:
-    slo_ttft_s: float = 2.0
+    slo_ttft_s: float = dataclasses.field(default=2.0, metadata={
+        "flag": "--slo-ttft-ms", "unit": "ms", "help": "TTFT p90 SLO the prefill pool is sized for"})
     """The time-to-first-token SLO, at the 90th percentile: what the prefill pool is sized for."""
-    slo_itl_s: float = 0.1
+    slo_itl_s: float = dataclasses.field(default=0.1, metadata={
+        "flag": "--slo-itl-ms", "unit": "ms", "help": "ITL p90 SLO the decode pool is sized for"})
     """The inter-token latency SLO, at the 90th percentile: what the decode pool is sized for."""
-    interval_s: float = 10.0
+    interval_s: float = dataclasses.field(default=10.0, metadata={"help": "how often the planner decides"})
     """How often the planner reads the routers and decides."""
-    window_s: float = 30.0
+    window_s: float = dataclasses.field(default=30.0, metadata={
+        "help": "percentiles and rates over this much of the recent past"})
     """Latency percentiles and rates are taken over this much of the recent past (>= interval_s)."""
-    min_prefill: int = 1
-    max_prefill: int = 4
-    min_decode: int = 1
-    max_decode: int = 4
-    scale_up_cooldown_s: float = 30.0
+    min_prefill: int = dataclasses.field(default=1, metadata={"help": "fewest prefill workers"})
+    max_prefill: int = dataclasses.field(default=4, metadata={"help": "most prefill workers"})
+    min_decode: int = dataclasses.field(default=1, metadata={"help": "fewest decode workers"})
+    max_decode: int = dataclasses.field(default=4, metadata={"help": "most decode workers"})
+    scale_up_cooldown_s: float = dataclasses.field(default=30.0, metadata={
+        "help": "after a change of a pool, no scale-up of it before this"})
     """After a change of a pool, no scale-up of it before this (the new workers start and latency settles)."""
-    scale_down_cooldown_s: float = 120.0
+    scale_down_cooldown_s: float = dataclasses.field(default=120.0, metadata={
+        "help": "after a change of a pool, no scale-down of it before this"})
     """After a change of a pool, no scale-down of it before this."""
-    scale_down_window_s: float = 60.0
+    scale_down_window_s: float = dataclasses.field(default=60.0, metadata={
+        "help": "remove a worker only after this long of load the others could carry"})
     """A worker is removed only when every observation of this long says the others can carry its load."""
     target_utilization: float = 0.9
     """Pools are sized so their load is at most this fraction of the learnt capacity at the SLO."""

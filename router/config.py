@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from common.cluster_auth import ClusterAuthConfig
 from common.cluster_auth.tls import InternalTLSConfig
+from common.config_flags import comma_list
 from router.front_security import FrontSecurityConfig
 from router.openai.http_limits import HttpLimits
 from router.routing_policy import POLICIES as ROUTING_POLICIES
@@ -14,73 +15,106 @@ from router.routing_policy import RoutingWeights
 
 @dataclass
 class RouterConfig:
-    model: str = "default"
+    model: str = field(default="default", metadata={
+        "help": "checkpoint directory (tokenizer, chat template, context length), or 'default'"})
     """Checkpoint directory (tokenizer, chat template, context length) or 'default'."""
-    host: str = "127.0.0.1"
-    port: int = 0
+    host: str = field(default="127.0.0.1", metadata={"help": "interface the gRPC and HTTP fronts bind to"})
+    port: int = field(default=0, metadata={"flag_default": 50051, "help": "gRPC port of the Generation service"})
     """gRPC port; 0 picks a free one."""
-    prefill_workers: list[str] = field(default_factory=list)
+    prefill_workers: list[str] = field(default_factory=list, metadata={
+        "type": comma_list, "help": "comma-separated host:port of prefill workers"})
     """host:port of each prefill worker; none means decode workers prefill themselves (co-located)."""
-    decode_workers: list[str] = field(default_factory=list)
+    decode_workers: list[str] = field(default_factory=list, metadata={
+        "type": comma_list,
+        "help": "comma-separated host:port of decode workers (or let them register in --redis-url)"})
     """host:port of each decode worker (until one is known, requests get UNAVAILABLE)."""
-    routing_policy: str = "prefix"
+    routing_policy: str = field(default="prefix", metadata={
+        "choices": ROUTING_POLICIES, "group": "routing",
+        "help": "prefix: least predicted TTFT from cached blocks (KV events) and load, caches partitioned by "
+                "rendezvous hash; see router/routing_policy.py"})
     """prefix (KV-index overlap + load), least_loaded, round_robin or random (see routing_policy.py)."""
-    routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
-    skip_prefill_tokens: int = 32
+    routing_weights: RoutingWeights = field(default_factory=RoutingWeights, metadata={"group": "routing"})
+    skip_prefill_tokens: int = field(default=32, metadata={
+        "group": "routing",
+        "help": "the decode worker prefills itself when fewer prompt tokens than this are uncached there"})
     """When the decode worker already holds all but fewer than this many prompt tokens,
     it prefills them itself (no remote prefill, no transfer). 0: always prefill remotely."""
-    link_aware_prefill: bool = True
+    link_aware_prefill: bool = field(default=True, metadata={
+        "flag": "--no-link-aware-prefill", "group": "routing",
+        "help": "always prefill remotely, even into a decode worker whose observed KV link moves a token's KV "
+                "slower than the prefill pool computes one"})
     """Skip remote prefill into a decode worker whose observed KV pull bandwidth moves a token's KV
     slower than the prefill pool computes a token (router/link_estimate.py)."""
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, metadata={
+        "group": "registry (Redis)",
+        "help": "share the worker registry and KV events through this Redis (redis://host:port/db)"})
     """Share the worker registry and KV events through this Redis (workers register
     there themselves); without it the router knows the workers given here only."""
-    registry_ttl_s: float = 3.0
+    registry_ttl_s: float = field(default=3.0, metadata={
+        "group": "registry (Redis)",
+        "help": "lifetime of a worker's registration in Redis (renewed every third of it)"})
     """Workers' registration lifetime (as they were told); after Redis reconnects,
     absent workers are kept this long before removal."""
-    max_queue_len: int = 256
+    max_queue_len: int = field(default=256, metadata={
+        "help": "requests that may wait when every worker is saturated; more get RESOURCE_EXHAUSTED"})
     """Requests that may wait for a worker with room; more get RESOURCE_EXHAUSTED at once."""
-    queue_timeout_s: float = 30.0
+    queue_timeout_s: float = field(default=30.0, metadata={
+        "help": "longest wait in that queue before RESOURCE_EXHAUSTED"})
     """Longest wait in that queue before RESOURCE_EXHAUSTED."""
-    retry_after_s: float = 1.0
+    retry_after_s: float = field(default=1.0, metadata={"help": "retry advice sent with RESOURCE_EXHAUSTED"})
     """Retry advice sent with RESOURCE_EXHAUSTED."""
-    max_model_len: int | None = None
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt plus output (default: the model's max_position_embeddings)"})
     """Longest prompt plus output; defaults to the model's max_position_embeddings."""
-    health_interval_s: float = 1.0
+    health_interval_s: float = field(default=1.0, metadata={
+        "help": "how often each worker's stats and health are polled"})
     """How often each worker's stats and health are polled."""
-    lease_s: float = 30.0
+    lease_s: float = field(default=30.0, metadata={
+        "help": "how long a prefill worker keeps a prompt's KV for a decode worker to pull"})
     """How long a prefill worker holds a prompt's KV for the decode worker."""
-    metrics_port: int | None = None
+    metrics_port: int | None = field(default=None, metadata={"help": "serve Prometheus metrics here"})
     """Serve Prometheus metrics at http://host:metrics_port/metrics."""
-    http_port: int | None = None
+    http_port: int | None = field(default=None, metadata={
+        "group": "OpenAI HTTP front",
+        "help": "serve the OpenAI-compatible HTTP API here (/v1/completions, /v1/chat/completions, ...)"})
     """Serve the OpenAI-compatible HTTP API at http://host:http_port/v1 (0 picks a free port)."""
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "flag": "--router-drain-timeout-s", "help": "on SIGTERM: how long the router's in-flight requests may take"})
     """On SIGTERM: how long in-flight requests may take before the process exits."""
-    max_migrations: int = 3
+    max_migrations: int = field(default=3, metadata={
+        "help": "how often one sample may move to another decode worker when its decode stream breaks "
+                "(worker died, connection cut, drained, silent past --stream-timeout-s); 0: never"})
     """How often one sample may move to another decode worker when its decode stream breaks
     (router/README.md, "Request migration"); 0: never (the sample fails UNAVAILABLE)."""
-    stream_timeout_s: float = 30.0
+    stream_timeout_s: float = field(default=30.0, metadata={
+        "help": "a decode stream silent this long counts as broken (migrated, or UNAVAILABLE); 0: no limit"})
     """A decode stream silent this long is broken (a hung or stopped worker): the sample migrates
     (or fails UNAVAILABLE without migrations left). 0: no limit."""
-    max_n: int = 16
+    max_n: int = field(default=16, metadata={"help": "most parallel samples (n) one request may ask for"})
     """Most parallel samples (`n`) one request may ask for; more get INVALID_ARGUMENT."""
-    max_prompt_chars: int | None = None
+    max_prompt_chars: int | None = field(default=None, metadata={
+        "help": "longest prompt text tokenized (default: max model len x 16 characters)"})
     """Longest prompt text (chat: all contents together) tokenized; longer gets INVALID_ARGUMENT
     before any tokenizing. Default: max_model_len * PROMPT_CHARS_PER_TOKEN."""
-    max_request_bytes: int = 4 << 20
+    max_request_bytes: int = field(default=4 << 20, metadata={
+        "help": "largest gRPC request message / HTTP request body the router reads"})
     """Largest gRPC request message and HTTP request body the router reads."""
-    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    http_limits: HttpLimits = field(default_factory=HttpLimits, metadata={"group": "OpenAI HTTP front"})
     """Deadlines on reading each HTTP request and the cap on connections waiting for one (slow clients)."""
-    security: FrontSecurityConfig = field(default_factory=FrontSecurityConfig)
+    security: FrontSecurityConfig = field(default_factory=FrontSecurityConfig, metadata={"group": "security"})
     """TLS and API keys of the public fronts (router/front_security.py)."""
-    route_metadata: bool = False
+    route_metadata: bool = field(default=False, metadata={
+        "help": "name the workers of each sample in Generate's trailing metadata (debugging)"})
     """Name the workers of each sample in Generate's trailing metadata (debugging, benchmarks). Off by
     default: internal addresses are not the clients' business."""
-    redis_password_file: str | None = None
+    redis_password_file: str | None = field(default=None, metadata={
+        "group": "registry (Redis)",
+        "help": "file holding the Redis password (else $REDIS_PASSWORD; keep it out of --redis-url, "
+                "which any local user can read in the process list)"})
     """Redis password, read from this file (else $REDIS_PASSWORD, else the one in redis_url)."""
-    cluster_auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig)
+    cluster_auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig, metadata={"group": "security"})
     """Where the cluster secret is: tokens on calls to workers, signatures on KV handles."""
-    worker_tls: InternalTLSConfig = field(default_factory=InternalTLSConfig)
+    worker_tls: InternalTLSConfig = field(default_factory=InternalTLSConfig, metadata={"group": "security"})
     """mTLS to the workers (client certificate, CA the workers' certificates chain to); none: plaintext."""
 
     def __post_init__(self) -> None:

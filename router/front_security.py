@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.auth import ApiKeys
 
@@ -19,13 +19,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class FrontSecurityConfig:
-    api_key_file: str | None = None
+    api_key_file: str | None = field(default=None, metadata={
+        "flag": "--api-keys-file",
+        "help": "file of TENANT:KEY lines; then Generate, Abort and /v1 need 'authorization: Bearer KEY' "
+                "(keys may also come from $PDSERVE_API_KEYS, comma-separated; never on the command line)"})
     """File of `TENANT:KEY` lines (router/auth.py); with it (or $PDSERVE_API_KEYS) every Generate,
     Abort and /v1 call needs `authorization: Bearer KEY`. Re-read when it changes."""
-    tls_cert_file: str | None = None
+    tls_cert_file: str | None = field(default=None, metadata={
+        "help": "PEM certificate: the gRPC and HTTP fronts speak TLS only"})
     """PEM certificate chain of the gRPC and HTTP fronts (with tls_key_file): both then speak TLS only.
     Re-read when the files change (router/tls_reload.py)."""
-    tls_key_file: str | None = None
+    tls_key_file: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert-file"})
     """PEM private key of tls_cert_file."""
 
     def __post_init__(self) -> None:

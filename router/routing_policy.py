@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from common.config_flags import float_mapping
 from engine.kv_events import MEDIA
 
 POLICIES = ("prefix", "least_loaded", "round_robin", "random")
@@ -95,22 +96,33 @@ class Candidate:
 
 @dataclass
 class RoutingWeights:
-    overlap_weight: float = 1.0
+    overlap_weight: float = field(default=1.0, metadata={
+        "help": "prefix policy: cost of an uncached prompt block relative to a block of queued work"})
     """Prefill: cost of one uncached prompt block relative to one block of queued work."""
-    kv_weight: float = 4.0
+    kv_weight: float = field(default=4.0, metadata={
+        "help": "decode choice: cost of a full KV pool, in running requests"})
     """Decode: cost of a full KV pool, in running requests."""
-    request_weight: float = 8.0
+    request_weight: float = field(default=8.0, metadata={
+        "flag": "--prefill-request-weight", "help": "prefill choice: fixed cost of one request, in blocks of prompt"})
     """Prefill: default fixed cost of one request, in blocks of prompt (until learnt)."""
-    pollution_weight: float = 1.0
+    pollution_weight: float = field(default=1.0, metadata={
+        "help": "prefix policy: cost of evicting a cached block relative to computing one"})
     """Prefill: cost of evicting one cached block, relative to computing one block."""
-    tie_ratio: float = 0.2
+    tie_ratio: float = field(default=0.2, metadata={
+        "help": "prefix policy: costs within this fraction of the best are near-ties (holder, then rendezvous-hash "
+                "home)"})
     """Costs within this fraction of the best are near-ties, broken by holder then rendezvous hash."""
-    hold_weight: float = 2.0
+    hold_weight: float = field(default=2.0, metadata={
+        "flag": "--decode-hold-weight",
+        "help": "prefix policy, decode choice: cost of not holding the prompt, in running requests"})
     """Decode: cost of not holding the prompt at all, in running requests."""
     decode_tie: float = 0.5
     """Decode: costs within this many running requests of the best are near-ties."""
 
-    kv_tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    kv_tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS), metadata={
+        "type": float_mapping("MEDIUM=WEIGHT", "cpu=0.8,disk=0.5"), "metavar": "MEDIUM=W,...",
+        "help": "prefix policy: worth of a prompt block a worker holds in host memory (cpu) or on local disk "
+                "(disk), relative to one on its device (1.0); default cpu=0.8,disk=0.5"})
     """Worth of a cached prompt block by the best medium holding it, in device blocks: a block a worker
     holds in host memory or on disk saves less than one in its KV pool (it must be loaded), more than a
     miss. Media left out keep their default; device is the unit (1.0), and a lower tier may not be worth

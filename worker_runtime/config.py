@@ -16,41 +16,58 @@ ROLES = ("prefill", "decode")
 class WorkerConfig:
     role: str
     """"prefill" (prompts to their first token, KV kept under a lease) or "decode"."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"group": "engine"})
+    host: str = field(default="127.0.0.1", metadata={"help": "interface the worker's gRPC server binds to"})
     """Interface the gRPC server binds to."""
-    port: int = 0
+    port: int = field(default=0, metadata={"help": "gRPC port (0: any free port)"})
     """gRPC port; 0 picks a free one."""
-    advertise_host: str | None = None
+    advertise_host: str | None = field(default=None, metadata={
+        "help": "host the router and peers should dial (its gRPC and KV transfer ports)"})
     """Host others should dial (default: host, or this machine's address when host is 0.0.0.0)."""
-    auth_names: tuple[str, ...] = ()
+    auth_names: tuple[str, ...] = field(default=(), metadata={
+        "flag": "--auth-name", "append": True, "metavar": "HOST", "group": "security",
+        "help": "another host routers may dial this worker by (e.g. a Service DNS name): cluster tokens "
+                "addressed to HOST:PORT are accepted too (repeatable)"})
     """Other hosts routers may dial this worker by (e.g. a Service DNS name): with a cluster secret it
     accepts tokens addressed to NAME:PORT for these too, besides its advertised and bound address."""
-    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
-    lease_s: float = 30.0
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig, metadata={"group": "KV transfer"})
+    lease_s: float = field(default=30.0, metadata={
+        "help": "how long a prefill worker keeps a prompt's KV for a decode worker to pull"})
     """Prefill: how long a prompt's blocks wait for a decode worker to pull them."""
-    pull_timeout_s: float = 20.0
+    pull_timeout_s: float = field(default=20.0, metadata={"help": "decode: deadline of one KV pull"})
     """Decode: deadline of one KV pull (keep it below the prefill lease)."""
-    max_num_requests: int = 1024
+    max_num_requests: int = field(default=1024, metadata={
+        "help": "requests a worker holds at once; more get RESOURCE_EXHAUSTED"})
     """Requests a worker accepts at once (queued + running + transfers); more get RESOURCE_EXHAUSTED."""
-    num_threads: int = 0
+    num_threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
     """torch intra-op threads; 0 keeps torch's default."""
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM: how long a worker's in-flight requests may take to finish"})
     """On SIGTERM: how long in-flight requests may take to finish before the process exits."""
-    metrics_port: int | None = None
+    metrics_port: int | None = field(default=None, metadata={"help": "serve Prometheus metrics here"})
     """Serve Prometheus metrics at http://HOST:PORT/metrics (None: no metrics server; 0: any free port)."""
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, metadata={
+        "group": "registry (Redis)",
+        "help": "share the worker registry and KV events through this Redis (redis://host:port/db)"})
     """Register in this Redis (heartbeat with a TTL) and publish KV events to it, so routers
     sharing it discover this worker; without it routers are given the address."""
-    registry_ttl_s: float = 3.0
+    registry_ttl_s: float = field(default=3.0, metadata={
+        "group": "registry (Redis)",
+        "help": "lifetime of a worker's registration in Redis (renewed every third of it)"})
     """Lifetime of the registration; renewed every third of it."""
-    redis_password_file: str | None = None
+    redis_password_file: str | None = field(default=None, metadata={
+        "group": "registry (Redis)",
+        "help": "file holding the Redis password (else $REDIS_PASSWORD; keep it out of --redis-url, "
+                "which any local user can read in the process list)"})
     """Redis password, read from this file (else $REDIS_PASSWORD, else the one in redis_url)."""
-    auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig)
+    auth: ClusterAuthConfig = field(default_factory=ClusterAuthConfig, metadata={"group": "security"})
     """Where the cluster secret is (gRPC tokens, KV handshake, handle signatures); none: unauthenticated."""
-    tls: InternalTLSConfig = field(default_factory=InternalTLSConfig)
+    tls: InternalTLSConfig = field(default_factory=InternalTLSConfig, metadata={"group": "security"})
     """mTLS on the gRPC port (callers must present a certificate from the CA); none: plaintext."""
-    kv_tls: bool = True
+    kv_tls: bool = field(default=True, metadata={
+        "flag": "--no-kv-tls", "group": "security",
+        "help": "with --internal-tls-*: keep the KV transfer links plaintext (HMAC-authenticated only); by "
+                "default they speak mutual TLS with the same certificate"})
     """With ``tls``: the KV control channel and TCP data path speak mutual TLS 1.3 with the same
     certificate (its extended key usage must allow clientAuth too); off: only the HMAC handshake."""
 

@@ -52,7 +52,11 @@ class ClusterKeys:
 class ClusterAuthConfig:
     """Where a process finds the cluster secret. Validated on construction (the file must be readable)."""
 
-    secret_file: str | None = None
+    secret_file: str | None = field(default=None, metadata={
+        "flag": "--cluster-secret-file",
+        "help": "file holding the secret shared by the router and workers: authenticates worker gRPC, KV "
+                "transfers and KV handles (or env PDSERVE_CLUSTER_SECRET_FILE / PDSERVE_CLUSTER_SECRET; none: "
+                "internal links unauthenticated). `serve` generates one when none is given"})
     """File holding the secret (raw bytes or text; surrounding whitespace is stripped). None: the
     PDSERVE_CLUSTER_SECRET_FILE or PDSERVE_CLUSTER_SECRET env var, else no authentication."""
 

@@ -1,14 +1,14 @@
 """Mutual TLS on router -> worker gRPC, from PEM files (encryption + certificate identity).
 
-Workers: `--tls-cert/--tls-key/--tls-ca` serve with `require_client_auth` (a caller must present a
-certificate signed by the CA). Router: `--worker-tls-cert/--worker-tls-key/--worker-tls-ca` dial
+Workers: `--internal-tls-cert/-key/-ca` serve with `require_client_auth` (a caller must present a
+certificate signed by the CA). Router: the same flags dial
 workers with its client certificate and verify theirs (their certificate must name the address
 dialed, e.g. an IP SAN). Independent of the cluster secret, which still gates every call (tokens)
 and the KV channel. Workers use the same files for TLS on their KV transfer links (kv_transfer/tls.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -18,13 +18,21 @@ import grpc
 class InternalTLSConfig:
     """PEM files of one side of router <-> worker mTLS: all three or none (validated, readable)."""
 
-    cert_file: str | None = None
+    cert_file: str | None = field(default=None, metadata={
+        "flag": "--internal-tls-cert",
+        "help": "PEM certificate this process presents on router <-> worker gRPC and the KV links (mutual TLS, "
+                "with --internal-tls-key and --internal-tls-ca)"})
     """This process's certificate chain."""
-    key_file: str | None = None
+    key_file: str | None = field(default=None, metadata={
+        "flag": "--internal-tls-key", "help": "PEM private key of --internal-tls-cert"})
     """Its private key."""
-    ca_file: str | None = None
+    ca_file: str | None = field(default=None, metadata={
+        "flag": "--internal-tls-ca", "help": "PEM CA the peers' certificates chain to"})
     """CA certificate(s) the peer's certificate must chain to."""
-    server_name: str | None = None
+    server_name: str | None = field(default=None, metadata={
+        "flag": "--internal-tls-server-name",
+        "help": "name the workers' certificates carry, checked instead of the address dialed (e.g. one "
+                "certificate for the pool, the chart's <release>-internal)"})
     """Router side: the name the workers' certificates carry, checked instead of the address dialed
     (workers are dialed by pod IP; one certificate for the pool names e.g. ``pdserve-internal``)."""
 

@@ -1,18 +1,23 @@
 """Configuration of the KV cache tiers below the engine's block pool (engine/kv_offload/)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GIB = 1 << 30
 
 
 @dataclass
 class OffloadConfig:
-    cpu_bytes: int = 0
+    cpu_bytes: int = field(default=0, metadata={
+        "flag": "--kv-offload-cpu-gib", "unit": "GiB",
+        "help": "KV tier 2: host memory (pinned on CUDA) keeping prefix blocks the pool evicts (0: off)"})
     """Tier 2: host memory for evicted prefix blocks (pinned on CUDA hosts); 0 turns the tiers off."""
-    disk_dir: str | None = None
+    disk_dir: str | None = field(default=None, metadata={
+        "flag": "--kv-offload-dir",
+        "help": "KV tier 3: directory of a local-disk arena below the host tier, found again on restart"})
     """Tier 3: directory of the disk tier's arena file (an emptyDir or local NVMe); None: no disk tier."""
-    disk_bytes: int = 0
+    disk_bytes: int = field(default=0, metadata={
+        "flag": "--kv-offload-disk-gib", "unit": "GiB", "help": "size of the disk tier's arena"})
     """Size of the disk tier's arena (a sparse file: only written blocks take space)."""
     max_store_blocks_per_step: int = 256
     """Blocks copied down from the device pool per engine step at most; the rest wait for later steps."""

@@ -1,9 +1,8 @@
 """How long the OpenAI front waits for a request, and how many connections may wait for one: the
-config of router/openai/guarded_protocol.py, and its flags."""
+config of router/openai/guarded_protocol.py (its fields' metadata make the router's --http-* flags)."""
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,12 +10,15 @@ class HttpLimits:
     """How long the OpenAI front waits for a request, and how many may be waited for."""
 
     header_timeout_s: float = field(default=10.0, metadata={
+        "flag": "--http-header-timeout-s",
         "help": "a request's line and headers must arrive within this many seconds of the connection "
                 "being ready for them (opened, or the previous response sent); else it is closed"})
     body_timeout_s: float = field(default=30.0, metadata={
+        "flag": "--http-body-timeout-s",
         "help": "a request's body must arrive within this many seconds after its headers; else the "
                 "connection is closed"})
     max_pending_connections: int = field(default=256, metadata={
+        "flag": "--http-max-pending-connections",
         "help": "connections that may wait for a request's headers at once; one more closes the one "
                 "waiting longest"})
 
@@ -27,15 +29,3 @@ class HttpLimits:
         if self.max_pending_connections < 1:
             raise ValueError(f"http max_pending_connections must be >= 1, got {self.max_pending_connections!r}")
 
-
-def add_http_limit_args(p: argparse.ArgumentParser) -> None:
-    """--http-header-timeout-s, --http-body-timeout-s, --http-max-pending-connections (HttpLimits' fields)."""
-    defaults = HttpLimits()
-    for f in fields(HttpLimits):
-        default = getattr(defaults, f.name)
-        p.add_argument(f"--http-{f.name.replace('_', '-')}", dest=f"http_{f.name}", type=type(default),
-                       default=default, help=f.metadata["help"])
-
-
-def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
-    return HttpLimits(**{f.name: getattr(args, f"http_{f.name}") for f in fields(HttpLimits)})

@@ -1,10 +1,14 @@
 """kv_tier_weights: defaults, validation, and the --kv-tier-weights flag."""
 import argparse
+import dataclasses
 
 import pytest
 
-from pdserve.cli import build_parser, router_config_from_args, tier_weights
+from pdserve.cli import build_parser
+from pdserve.command_flags import cluster_config_from_args, router_config_from_args
 from router.routing_policy import Candidate, RoutingPolicy, RoutingWeights
+
+tier_weights = next(f for f in dataclasses.fields(RoutingWeights) if f.name == "kv_tier_weights").metadata["type"]
 
 
 def test_defaults_and_media_left_out_keep_theirs():
@@ -36,10 +40,12 @@ def test_flag_parsing():
 
 @pytest.mark.parametrize("command", ["router", "serve"])
 def test_flag_reaches_the_routing_weights(command):
-    args = build_parser().parse_args([command, "--kv-tier-weights", "cpu=0.7,disk=0.2"])
-    config = router_config_from_args(args, [], ["127.0.0.1:1"])
+    def router_config(*argv):
+        args = build_parser().parse_args([command, *argv])
+        return cluster_config_from_args(args).router if command == "serve" else router_config_from_args(args)
+    config = router_config("--kv-tier-weights", "cpu=0.7,disk=0.2")
     assert config.routing_weights.kv_tier_weights == {"device": 1.0, "cpu": 0.7, "disk": 0.2}
-    default = router_config_from_args(build_parser().parse_args([command]), [], ["127.0.0.1:1"])
+    default = router_config()
     assert default.routing_weights.kv_tier_weights == {"device": 1.0, "cpu": 0.8, "disk": 0.5}
 
 

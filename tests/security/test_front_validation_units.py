@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import GREEDY_TEMPERATURE, MAX_TEMPERATURE, InvalidParameter, SamplingParams
-from pdserve.cli import build_parser, router_config_from_args
+from pdserve.cli import build_parser
+from pdserve.command_flags import router_config_from_args
 from router.openai.http_limits import HttpLimits
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -58,6 +59,6 @@ def test_http_limits_are_validated_and_come_from_router_flags():
             HttpLimits(**kwargs)
     args = build_parser().parse_args(["router", "--http-header-timeout-s", "3", "--http-body-timeout-s", "4.5",
                                       "--http-max-pending-connections", "9"])
-    assert router_config_from_args(args, [], []).http_limits == HttpLimits(3.0, 4.5, 9)
-    defaults = router_config_from_args(build_parser().parse_args(["router"]), [], []).http_limits
+    assert router_config_from_args(args).http_limits == HttpLimits(3.0, 4.5, 9)
+    defaults = router_config_from_args(build_parser().parse_args(["router"])).http_limits
     assert defaults == HttpLimits()
