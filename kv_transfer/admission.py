@@ -35,8 +35,6 @@ class Conn:
     """Its socket (the TLS one once wrapped)."""
     peer: str
     """The peer's IP address."""
-    thread: threading.Thread | None = None
-    """The thread serving it."""
     dropped: bool = False
     """Evicted from the pre-auth pool for a newer connection (its socket is shut down)."""
 

@@ -1,4 +1,4 @@
-"""The two abstract sides of a KV transfer.
+"""The two abstract sides of a KV transfer, and what they share (:class:`KVSide`).
 
 Sender (prefill engine): exposes its KV pool and, per request, the blocks it
 holds for that request (``expect``). Its per-request :class:`Transfer` turns
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from .layout import KVLayout
 from .memory import KVRegion
 from .transfer import Transfer
 
 
-class KVSender(abc.ABC):
-    """Prefill side: registers KV memory, serves reads of leased blocks."""
+class KVSide(abc.ABC):
+    """What a sender and a receiver both are: a KV pool, the data path chosen for it, counters."""
 
     backend_name: str = ""
     """Data path this side was built for: ``"nixl"``, ``"tcp"`` or ``"tcp-staged"`` (TCP
@@ -38,6 +38,24 @@ class KVSender(abc.ABC):
     def backend_info(self) -> dict[str, str]:
         """``{"backend", "reason"}``: the data path and why it was chosen."""
         return {"backend": self.backend_name, "reason": self.selection_reason}
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters for leak checks: ``in_flight``, ``registered_regions``, ``bytes_moved``, ..."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Abort everything, close sockets, deregister memory. Idempotent."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVSender(KVSide):
+    """Prefill side: registers KV memory, serves reads of leased blocks."""
 
     @abc.abstractmethod
     def peer_info(self) -> dict[str, Any]:
@@ -54,37 +72,9 @@ class KVSender(abc.ABC):
         transfer's ``capability`` (128 random bits, hex) must reach the receiver (in the KV handle):
         a ``read`` or ``abort`` without it is refused like one of an unknown transfer."""
 
-    @abc.abstractmethod
-    def stats(self) -> dict[str, int]:
-        """Counters for leak checks: ``in_flight``, ``registered_regions``, ``bytes_moved``, ..."""
 
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Abort everything, close sockets, deregister memory. Idempotent."""
-
-    def __enter__(self) -> KVSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class KVReceiver(abc.ABC):
+class KVReceiver(KVSide):
     """Decode side: reads remote blocks into local blocks."""
-
-    backend_name: str = ""
-    """Data path this side was built for: ``"nixl"``, ``"tcp"`` or ``"tcp-staged"`` (TCP
-    through host staging buffers: a CUDA pool, or ``staging="always"``)."""
-    selection: str = ""
-    """How the factory chose it: ``"<backend>: <reason>"``."""
-    selection_reason: str = ""
-    """The reason alone (logged, and exported as ``pdserve:kv_transfer_backend_info``)."""
-    layout: KVLayout
-    region: KVRegion
-
-    def backend_info(self) -> dict[str, str]:
-        """``{"backend", "reason"}``: the data path and why it was chosen."""
-        return {"backend": self.backend_name, "reason": self.selection_reason}
 
     @abc.abstractmethod
     def read(self, peer_info: dict[str, Any], transfer_id: str,
@@ -96,17 +86,3 @@ class KVReceiver(abc.ABC):
         Pass only the blocks this engine lacks; an empty list still tells the
         sender it may free the request's blocks.
         """
-
-    @abc.abstractmethod
-    def stats(self) -> dict[str, int]:
-        """Counters for leak checks: ``in_flight``, ``registered_regions``, ``bytes_moved``, ..."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Abort everything, close sockets, deregister memory. Idempotent."""
-
-    def __enter__(self) -> KVReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

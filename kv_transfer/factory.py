@@ -1,5 +1,7 @@
 """Backend selection: ``make_sender`` / ``make_receiver``.
 
+A side is a :class:`~kv_transfer.sender.ControlSender` or :class:`~kv_transfer.receiver.ControlReceiver`
+whose native data path is NIXL's (:mod:`nixl_path`) or none (TCP only; see :mod:`control_side`).
 ``backend="auto"`` builds the NIXL side when nixl imports and a loopback
 self-test transfer on that very agent succeeds; otherwise it falls back to TCP,
 which moves any pool (CUDA KV through pinned host staging buffers), so ``auto``
@@ -16,9 +18,14 @@ from typing import Any
 
 from .base import KVReceiver, KVSender
 from .config import KVTransferConfig
+from .control_side import ControlSide
 from .errors import BackendUnavailableError
 from .layout import KVLayout
 from .memory import KVRegion
+from .nixl_path import NixlPullPath, NixlSendPath
+from .receiver import ControlReceiver
+from .sender import ControlSender
+from .sharded import region_of
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -79,33 +86,37 @@ def make_receiver(kv_cache: Any, layout: KVLayout,
     return _make("receiver", kv_cache, layout, config or KVTransferConfig())
 
 
-def _make(role: str, kv_cache: Any, layout: KVLayout, config: KVTransferConfig):
-    region = KVRegion.from_buffer(kv_cache, layout)  # a bad pool is the caller's error
+#: ``(side, its NIXL path)`` per role.
+_CLASSES = {"sender": (ControlSender, NixlSendPath), "receiver": (ControlReceiver, NixlPullPath)}
+
+
+def _make(role: str, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> KVSender | KVReceiver:
+    region = region_of(kv_cache, layout)  # a bad pool is the caller's error
     device = region.device
     side, problem, reason = None, None, ""
     if region.sharded:
         problem = (f"nixl not used: a tensor-parallel pool ({kv_cache.num_shards} ranks' KV heads) is no single "
                    "memory region to register")
     elif config.backend != "tcp":
-        side, problem, reason = _try_nixl(role, kv_cache, layout, config)
+        side, problem, reason = _try_nixl(role, kv_cache, layout, region, config)
     selection = select_backend(config.backend, device, problem, reason, config.staging, region.sharded)
     if selection.backend == "tcp":
-        from .tcp_backend import TcpReceiver, TcpSender
-        side = (TcpSender if role == "sender" else TcpReceiver)(kv_cache, layout, config)
+        side = _CLASSES[role][0](kv_cache, layout, config)
     side.selection_reason = selection.reason
     side.selection = f"{side.backend_name}: {selection.reason}"
     logger.info("kv_transfer %s: backend %s (%s)", role, side.backend_name, selection.reason)
     return side
 
 
-def _try_nixl(role: str, kv_cache: Any, layout: KVLayout,
-              config: KVTransferConfig) -> tuple[Any, str | None, str]:
+def _try_nixl(role: str, kv_cache: Any, layout: KVLayout, region: KVRegion,
+              config: KVTransferConfig) -> tuple[ControlSide | None, str | None, str]:
     """Build (and with ``auto``, self-test) the NIXL side: ``(side, problem, reason)``.
     With ``backend="nixl"`` a NIXL side that cannot start raises instead."""
     requested = config.backend == "nixl"
+    side_class, path_class = _CLASSES[role]
     try:
-        from .nixl_backend import NixlReceiver, NixlSender
-        side = (NixlSender if role == "sender" else NixlReceiver)(kv_cache, layout, config)
+        path = path_class(region, config)  # the costly agent, before the side's port
+        side = side_class(kv_cache, layout, config, native=path)
     except BackendUnavailableError as e:
         if requested:
             raise
@@ -119,7 +130,7 @@ def _try_nixl(role: str, kv_cache: Any, layout: KVLayout,
     if requested or not config.nixl_self_test:
         return side, None, "nixl imports (self-test disabled)"
     try:
-        side.self_test()
+        path.self_test()
     except Exception as e:
         side.close()
         return None, f"nixl self-test failed: {e!r}", ""

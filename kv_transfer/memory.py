@@ -31,6 +31,10 @@ class KVRegion:
     device: str
     """``"cpu"`` or ``"cuda"``."""
     device_id: int
+    sharded: bool = False
+    """True for a tensor-parallel worker's pool (:class:`~kv_transfer.sharded.ShardedKV`, made by
+    :func:`~kv_transfer.sharded.region_of`): no single byte range, so its blocks only move through
+    staging buffers."""
 
     @property
     def block_nbytes(self) -> int:
@@ -47,19 +51,10 @@ class KVRegion:
         """True when the blocks are plain host memory (a memoryview can address them)."""
         return self.device == "cpu" and not self.sharded
 
-    @property
-    def sharded(self) -> bool:
-        """True for a tensor-parallel worker's pool (:class:`~kv_transfer.sharded.ShardedKV`): no single
-        byte range, so its blocks only move through staging buffers."""
-        from .sharded import ShardedKV
-        return isinstance(self.owner, ShardedKV)
-
     @classmethod
     def from_buffer(cls, buf: Any, layout: KVLayout) -> KVRegion:
-        """Wrap ``buf`` after checking its shape, dtype, contiguity and device kind."""
-        from .sharded import ShardedKV
-        if isinstance(buf, ShardedKV):
-            return cls._from_sharded(buf, layout)
+        """Wrap ``buf`` (one buffer) after checking its shape, dtype, contiguity and device kind
+        (any pool, a tensor-parallel one too: :func:`~kv_transfer.sharded.region_of`)."""
         device, device_id = device_of(buf)
         if device != layout.device:
             raise ValueError(f"kv_cache is on {device} but the layout says device {layout.device!r}")
@@ -96,14 +91,6 @@ class KVRegion:
             raise ValueError("kv_cache tensor must be contiguous")
         return cls(t, layout, int(t.data_ptr()), int(t.numel() * t.element_size()),
                    int(t.shape[0]), device, device_id)
-
-    @classmethod
-    def _from_sharded(cls, pool: Any, layout: KVLayout) -> KVRegion:
-        """A region of whole blocks over a tensor-parallel pool (``addr`` 0: there is no one byte range)."""
-        if KVLayout.of_kv_cache(pool, layout.model_id, None).mismatched_fields(layout) not in ([], ["kv_scales"]):
-            raise ValueError(f"sharded pool {pool.shape} {pool.dtype} does not match layout {layout}")
-        nbytes = pool.shape[0] * layout.block_nbytes
-        return cls(pool, layout, 0, nbytes, pool.shape[0], pool.device.type, int(pool.device.index or 0))
 
     def block_addr(self, block_id: int) -> int:
         """Address of block ``block_id``."""

@@ -6,9 +6,13 @@ Each link runs its queued transfers in order:
     ``grant`` (TRANSFERRING) -> the data path pulls the bytes -> ``done``
     [-> ``ack``] -> DONE
 
-Data paths: ``tcp`` (streamed on the connection, or through the sender's shared
-staging buffers on one host), ``cuda_ipc`` (copied out of the sender's mapped
-pool) or the backend's own (``ControlReceiver._pull``, e.g. a NIXL READ).
+The link's data path (:class:`~kv_transfer.data_path.ReceiverPath`) adds its fields to the
+``hello`` and each ``read``, sets up what it keeps for this sender once connected
+(``path_state``) and pulls the granted bytes: ``tcp`` (streamed on the connection, or
+through the sender's shared staging buffers on one host), ``cuda_ipc`` (copied out of
+the sender's mapped pool) or ``nixl`` (a NIXL READ). A path that cannot work with this
+sender after all (:class:`~kv_transfer.data_path.PathUnusable`) is replaced by the
+receiver's next one, for good.
 Abort or deadline during a pull shuts the connection down (that interrupts any
 blocking I/O at once, and tells the sender to free); the next transfer on the
 link reconnects, as does a transfer on a link idle for half the sender's idle
@@ -27,26 +31,20 @@ import socket
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import auth
-from .cuda_ipc import MappedPool, host_identity
+from .config import KVTransferConfig
+from .data_path import PathUnusable, ReceiverPath
 from .errors import HandshakeCutError, IncompatiblePeerError, TransferRefusedError
-from .layout import PROTOCOL_VERSION
-from .shm_buffer import PeerBuffer, can_map_from
-from .tcp_path import pull_blocks
+from .layout import PROTOCOL_VERSION, KVLayout
 from .tls import wrap_client
 from .transfer import Transfer
 from .wire import PeerClosed, recv_msg, send_msg, shutdown_quietly, tune_socket
 
-if TYPE_CHECKING:
-    from .receiver import ControlReceiver
-
 logger = logging.getLogger("pdserve.kv_transfer")
 
 
-#: Shared staging buffers of one sender kept mapped (its stagers in use at once, two buffers each).
-MAX_PEER_BUFFERS = 32
 #: Pause before the second handshake attempt (then doubling, at most ``MAX_RETRY_PAUSE_S``).
 FIRST_RETRY_PAUSE_S = 0.05
 MAX_RETRY_PAUSE_S = 1.0
@@ -55,22 +53,30 @@ MAX_RETRY_PAUSE_S = 1.0
 _CUT = (PeerClosed, ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
 
 
-class _IpcUnusable(Exception):
-    """The sender's pool could not be mapped here (the link falls back to another path)."""
+class LinkOwner(Protocol):
+    """What a link uses of its receiver (:class:`~kv_transfer.receiver.ControlReceiver`)."""
+
+    config: KVTransferConfig
+    layout: KVLayout
+    tls: ssl.SSLContext | None
+    """Client side of the links' TLS (None: plaintext)."""
+
+    def fall_back(self, peer_info: dict[str, Any], failed: ReceiverPath) -> ReceiverPath:
+        """``failed`` did not work with this sender instance: the path to use instead, for good."""
+
+    def count_handshake_retry(self) -> None:
+        """Count a handshake tried again."""
 
 
 class PeerLink:
     """Control connection + worker thread for one sender instance."""
 
-    def __init__(self, owner: ControlReceiver, peer_info: dict[str, Any], mode: str) -> None:
+    def __init__(self, owner: LinkOwner, peer_info: dict[str, Any], path: ReceiverPath) -> None:
         self.owner = owner
         self.peer_info = peer_info
-        self.mode = mode
-        #: The sender's pool mapped here (``cuda_ipc`` mode), kept across reconnects to one instance.
-        self.mapped: MappedPool | None = None
-        #: The sender shares its staging buffers with us (same host): staged blocks skip the socket.
-        self.shm = False
-        self.peer_buffers: dict[tuple, PeerBuffer] = {}
+        self.path = path
+        #: What the path keeps for this sender (e.g. its mapped pool), across reconnects to one instance.
+        self.path_state: Any = None
         self.host = str(peer_info["host"])
         self.port = int(peer_info["port"])
         self.instance_id = peer_info.get("instance_id")
@@ -78,7 +84,6 @@ class PeerLink:
         self.last_used = 0.0
         """``time.monotonic()`` of the last message on the connection."""
         self.hello: dict = {}
-        self.backend_state: Any = None
         self._queue: collections.deque[Transfer] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -104,7 +109,7 @@ class PeerLink:
             sock.close()
 
     def close(self) -> None:
-        """Fail queued transfers, stop the worker, drop backend peer state."""
+        """Fail queued transfers, stop the worker, drop the path's state for this sender."""
         with self._cond:
             self._closed = True
             queued = list(self._queue)
@@ -115,32 +120,7 @@ class PeerLink:
         self.interrupt()
         self._thread.join(timeout=5)
         self.disconnect()
-        self._unmap()
-        self.owner._forget_peer(self)
-
-    def _map_peer_buffer(self, desc: dict) -> PeerBuffer:
-        """The sender's shared staging buffer ``desc`` mapped here (cached per buffer)."""
-        key = (int(desc["pid"]), int(desc["fd"]))
-        buf = self.peer_buffers.get(key)
-        if buf is not None and buf.key[2] == int(desc["inode"]) and buf.nbytes == int(desc["nbytes"]):
-            return buf
-        if buf is not None:  # that fd now holds another buffer
-            self.peer_buffers.pop(key).close()
-        if len(self.peer_buffers) >= MAX_PEER_BUFFERS:
-            self.peer_buffers.pop(next(iter(self.peer_buffers))).close()
-        buf = self.peer_buffers[key] = PeerBuffer(desc, pin=self.owner.staging.copier_pins)
-        return buf
-
-    def _unmap(self) -> None:
-        buffers, self.peer_buffers = list(self.peer_buffers.values()), {}
-        for buf in buffers:
-            buf.close()
-        mapped, self.mapped = self.mapped, None
-        if mapped is not None:
-            try:
-                mapped.close()
-            except Exception:
-                logger.exception("unmapping the CUDA IPC pool of %s:%s", self.host, self.port)
+        self.path.forget(self)
 
     def _run(self) -> None:
         while True:
@@ -171,10 +151,8 @@ class PeerLink:
                 sock = wrap_client(self.owner.tls, sock)
             layout = self.owner.layout
             proof = self._authenticate(sock)
-            staging = self.owner.staging
-            shm_host = {"shm_host": host_identity()} if staging is not None and staging.shared else {}
             send_msg(sock, {"type": "hello", "version": PROTOCOL_VERSION, "proof": proof,
-                            "backend": self.mode, **shm_host,
+                            "backend": self.path.name, **self.path.hello(),
                             "compat_hash": layout.compat_hash(), "layout": layout.to_dict()})
             hello, payload = recv_msg(sock, max_payload=self.owner.config.max_handshake_payload_bytes)
             if hello.get("type") == "refuse" and hello.get("busy") is True:
@@ -186,11 +164,8 @@ class PeerLink:
             if self.instance_id and hello.get("instance_id") != self.instance_id:
                 raise IncompatiblePeerError(
                     "sender restarted (instance id changed): its KV handle is stale")
-            if self.mode == "cuda_ipc":
-                self._map(hello)
-            elif self.mode != "tcp":
-                self.owner._on_connected(self, hello, payload)
-        except _IpcUnusable as e:
+            self.path.connected(self, hello, payload)
+        except PathUnusable as e:
             sock.close()
             self._fall_back(t, str(e))
             return
@@ -201,7 +176,6 @@ class PeerLink:
             sock.close()
             raise
         self.hello = hello
-        self.shm = self.mode == "tcp" and bool(hello.get("shm_pid")) and can_map_from(hello["shm_pid"])
         self.sock = sock
         self.last_used = time.monotonic()
 
@@ -217,7 +191,7 @@ class PeerLink:
                     raise
                 logger.info("kv_transfer: handshake %d with %s:%s failed (%s); trying again in %.2fs",
                             attempt, self.host, self.port, e, pause)
-            self.owner._handshake_retries += 1
+            self.owner.count_handshake_retry()
             with self._cond:
                 if self._cond.wait_for(lambda: self._closed, pause):
                     raise HandshakeCutError("receiver closed")
@@ -240,20 +214,13 @@ class PeerLink:
                 else "the sender and this receiver disagree on authentication (cluster secret on one side only)")
         return auth.proof(key, "receiver", nonce_r, nonce_s)
 
-    def _map(self, hello: dict) -> None:
-        if self.mapped is not None:
-            return  # same sender instance (checked above): its pool is still mapped
-        try:
-            self.mapped = MappedPool(hello, self.owner.region)
-        except Exception as e:
-            raise _IpcUnusable(f"cannot map the sender's pool: {e}") from e
-
     def _fall_back(self, t: Transfer, why: str) -> None:
-        """CUDA IPC did not work with this sender: use the next data path, for good."""
-        self.owner._ipc_refused.add(str(self.instance_id))
-        mode = self.owner._mode_for(self.peer_info)
-        logger.warning("kv_transfer: CUDA IPC with %s:%s unusable (%s); using %s", self.host, self.port, why, mode)
-        self.mode = mode
+        """The path did not work with this sender: use the receiver's next one, for good."""
+        failed = self.path
+        failed.forget(self)
+        self.path = self.owner.fall_back(self.peer_info, failed)
+        logger.warning("kv_transfer: %s with %s:%s unusable (%s); using %s", failed.name, self.host, self.port, why,
+                       self.path.name)
         self._connect(t)
 
     def _run_one(self, t: Transfer) -> None:
@@ -285,23 +252,16 @@ class PeerLink:
             sock.settimeout(max(0.001, t.remaining()))
             self.last_used = time.monotonic()
             send_msg(sock, {"type": "read", "tid": t.transfer_id, "cap": t.capability, "blocks": remote,
-                            "shm": self.shm})
+                            **self.path.read_fields(self)})
             reply, payload = recv_msg(sock, max_payload=self.owner.config.max_handshake_payload_bytes)
             if reply.get("type") == "refuse_read":
                 raise TransferRefusedError(f"sender refused the read: {reply.get('reason')}")
             if reply.get("type") != "grant" or reply.get("tid") != t.transfer_id:
                 raise ConnectionError(f"unexpected reply {reply}")
             t.set_transferring()
-            if self.mode == "tcp":
-                nbytes = pull_blocks(sock, self.owner.region, t, reply, self.owner.staging,
-                                     self._map_peer_buffer if self.shm else None)
-            elif self.mode == "cuda_ipc":
-                nbytes = self.owner._ipc.pull(self.mapped, remote, list(t.block_ids))
-                self.owner._ipc_pulls += 1
-            else:
-                nbytes = self.owner._pull(self, t, reply, payload)
+            nbytes = self.path.pull(self, t, reply, payload)
             send_msg(sock, {"type": "done", "tid": t.transfer_id})
-            if self.mode != "tcp":
+            if self.path.acks_done:
                 ack, _ = recv_msg(sock)
                 if ack.get("type") != "ack" or ack.get("tid") != t.transfer_id:
                     raise ConnectionError(f"unexpected reply {ack}")

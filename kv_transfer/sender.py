@@ -1,4 +1,4 @@
-"""Sender side of the control protocol, shared by every backend.
+"""Sender side of the control protocol, shared by every backend; the data paths move the bytes.
 
 One listening socket; one thread per receiver connection. A connection goes:
 
@@ -10,10 +10,11 @@ One listening socket; one thread per receiver connection. A connection goes:
 2. ``read`` (transfer id, capability, block ids) -> ``grant`` or ``refuse_read``. Only
    blocks passed to :meth:`expect` for that transfer id, once, and only with the
    capability :meth:`expect` issued (a wrong one is refused like an unknown id).
-   After ``grant`` the backend moves the data (TCP: streamed on this connection;
-   NIXL: the receiver READs the registered memory itself).
-3. ``done`` -> the sender's transfer turns DONE, only for a transfer granted on this connection (NIXL
-   also answers ``ack``, telling the receiver whether the lease still held during its READ). ``abort``
+   After ``grant`` the connection's data path moves the data (:meth:`SenderPath.serve`; TCP: streamed
+   on this connection; CUDA IPC, NIXL: the receiver reads the memory itself).
+3. ``done`` -> the sender's transfer turns DONE, only for a transfer granted on this connection (a path
+   the receiver reads by itself also answers ``ack``, telling the receiver whether the lease still held
+   during its read). ``abort``
    -> FAILED, only for a transfer granted on this connection or with its capability.
 
 A connection that drops fails every transfer granted on it.
@@ -29,7 +30,6 @@ outlives any error serving one.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import ssl
 import threading
@@ -42,12 +42,12 @@ from . import auth
 from .admission import Admission, Conn
 from .base import KVSender
 from .config import KVTransferConfig
-from .cuda_ipc import export_region, host_identity
+from .control_side import ControlSide
+from .data_path import SenderPath
+from .ipc_path import IpcSendPath
 from .layout import PROTOCOL_VERSION, KVLayout
-from .memory import KVRegion
-from .staging import make_staging
 from .state import TransferState
-from .tcp_path import serve_blocks
+from .tcp_path import TcpSendPath
 from .tls import wrap_server
 from .transfer import Transfer, TransferTable
 from .wire import MAX_HEADER, MessageTooLarge, PeerClosed, recv_msg, send_msg, shutdown_quietly, tune_socket
@@ -55,68 +55,44 @@ from .wire import MAX_HEADER, MessageTooLarge, PeerClosed, recv_msg, send_msg, s
 logger = logging.getLogger("pdserve.kv_transfer")
 
 
-class ControlSender(KVSender):
-    """Listener + handshake + leases; subclasses move the bytes."""
+class ControlSender(ControlSide, KVSender):
+    """Listener + handshake + leases; the data paths move the bytes."""
 
-    #: Data paths this sender serves, native first. ``"tcp"`` streams on the
-    #: control connection; any other mode lets the receiver read the memory on
-    #: its own, so its ``done`` is answered with an ``ack`` (did the lease hold?).
-    modes: tuple[str, ...] = ("tcp",)
+    role = "sender"
+    paths: list[SenderPath]
 
-    def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
-        self.config = config
-        self.layout = layout
-        self.region = KVRegion.from_buffer(kv_cache, layout)
-        #: Host buffers the tcp data path stages device memory through (None: host pool).
-        self.staging = make_staging(self.region, config.staging, config.staging_chunk_bytes,
-                                    shared=config.staging_shm)
-        #: hello_ok fields that let a receiver of this host map the pool (``cuda_ipc`` mode).
-        self._ipc_export = self._export_ipc()
-        if self._ipc_export is not None:
-            self.modes = ("cuda_ipc", *type(self).modes)
+    def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig,
+                 native: SenderPath | None = None) -> None:
+        super().__init__(kv_cache, layout, config, native)
         self.instance_id = uuid.uuid4().hex
         self._table = TransferTable(f"send-{self.instance_id[:6]}")
         self._admission = Admission(config)
-        self._closed = False
+        #: The connection threads started and maybe still running (only the accept loop changes it).
+        self._conn_threads: list[threading.Thread] = []
         self._num_auth_failed = 0
         #: A ``read`` names at most every block once: its header needs at most this much.
         self._max_header = MAX_HEADER + self.region.num_blocks * (len(str(self.region.num_blocks)) + 1)
-        self._tls = config.tls.context(server_side=True) if config.tls is not None else None
-        self._listener = socket.create_server((config.host, config.port), backlog=64)
+        try:
+            self._listener = socket.create_server((config.host, config.port), backlog=64)
+        except BaseException:
+            self._table.close("sender failed to start")
+            self._close_paths()
+            raise
         self.port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"kv-accept-{self.port}")
         self._accept_thread.start()
 
-    # -- hooks for backends --------------------------------------------------
-    def _hello_extra(self, mode: str) -> tuple[dict, bytes]:
-        """Backend fields (and payload) added to ``hello_ok`` for a ``mode`` connection."""
-        return {}, b""
-
-    def _grant_payload(self, t: Transfer, block_ids: list[int]) -> bytes:
-        """Backend payload of the ``grant`` of ``block_ids`` on a non-tcp, non-cuda_ipc connection."""
-        return b""
-
-    def _serve_grant(self, sock: socket.socket, t: Transfer, block_ids: list[int]) -> None:
-        """After ``grant`` on a non-tcp connection (the receiver reads by itself)."""
-
-    def _backend_stats(self) -> dict[str, int]:
-        return {}
-
-    def _close_backend(self) -> None:
-        """Release backend resources (deregister memory)."""
-
-    def _export_ipc(self) -> dict | None:
-        if not (self.region.is_cuda and self.config.cuda_ipc) or self.region.sharded:
-            return None
-        try:
-            return export_region(self.region)
-        except Exception as e:  # e.g. no libcuda, or memory CUDA IPC cannot share
-            logger.info("CUDA IPC unavailable for this pool (%s); peers use the backend's own path", e)
-            return None
+    def _make_paths(self, native: SenderPath | None) -> list[SenderPath]:
+        # CUDA IPC (if this pool can be exported), the native path, TCP.
+        ipc = IpcSendPath.for_region(self.region, self.config)
+        return [p for p in (ipc, native) if p is not None] + [TcpSendPath(self.region, self.config)]
 
     # -- public API -----------------------------------------------------------
     def peer_info(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        for path in self.paths:
+            extra.update(path.peer_info())
         return {
             "backend": self.backend_name,
             "modes": list(self.modes),
@@ -125,8 +101,8 @@ class ControlSender(KVSender):
             "instance_id": self.instance_id,
             "protocol_version": PROTOCOL_VERSION,
             "compat_hash": self.layout.compat_hash(),
-            "tls": self._tls is not None,
-            **({"ipc_host": self._ipc_export["ipc_host"]} if self._ipc_export else {}),
+            "tls": self.tls is not None,
+            **extra,
         }
 
     def expect(self, transfer_id: str, block_ids: Sequence[int],
@@ -143,20 +119,9 @@ class ControlSender(KVSender):
 
     def stats(self) -> dict[str, int]:
         conns, pre_auth = self._admission.counts()
-        return {
-            "in_flight": len(self._table),
-            "connections": conns,
-            "pre_auth_connections": pre_auth,
-            "connections_refused": self._admission.num_refused,
-            "connections_evicted": self._admission.num_evicted,
-            "auth_failed": self._num_auth_failed,
-            "bytes_moved": self._table.bytes_moved,
-            "transfers_done": self._table.num_done,
-            "transfers_failed": self._table.num_failed,
-            "registered_regions": 0,
-            **(self.staging.stats() if self.staging is not None else {}),
-            **self._backend_stats(),
-        }
+        return self._stats(connections=conns, pre_auth_connections=pre_auth,
+                           connections_refused=self._admission.num_refused,
+                           connections_evicted=self._admission.num_evicted, auth_failed=self._num_auth_failed)
 
     def close(self) -> None:
         if self._closed:
@@ -166,15 +131,12 @@ class ControlSender(KVSender):
         self._listener.close()
         self._accept_thread.join(timeout=2)
         self._table.close("sender closed")
-        conns = self._admission.live()
-        for conn in conns:
+        for conn in self._admission.live():
             shutdown_quietly(conn.sock)
-        for conn in conns:
-            if conn.thread is not None and conn.thread.is_alive():
-                conn.thread.join(timeout=2)
-        if self.staging is not None:
-            self.staging.close()
-        self._close_backend()
+        for thread in self._conn_threads:  # also those that left the admission pools but still run
+            if thread.is_alive():
+                thread.join(timeout=2)
+        self._close_paths()
 
     # -- connection handling ----------------------------------------------------
     def _accept_loop(self) -> None:
@@ -199,11 +161,12 @@ class ControlSender(KVSender):
             sock.close()
             return
         conn = self._admission.admit(sock, peer)
-        conn.thread = threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
-                                       name=f"kv-send-conn-{self.port}")
+        thread = threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                                  name=f"kv-send-conn-{self.port}")
+        self._conn_threads = [*(th for th in self._conn_threads if th.is_alive()), thread]
         try:
             tune_socket(sock, self.config.socket_buffer_bytes)
-            _start_thread(conn.thread)
+            _start_thread(thread)
         except BaseException:
             self._admission.remove(conn)
             raise
@@ -214,7 +177,7 @@ class ControlSender(KVSender):
         if hello.get("version") != PROTOCOL_VERSION:
             return (f"protocol version mismatch: sender speaks {PROTOCOL_VERSION}, "
                     f"receiver {hello.get('version')!r}")
-        if hello.get("backend") not in self.modes:
+        if self.path_named(hello.get("backend")) is None:
             return f"backend mismatch: sender serves {list(self.modes)}, receiver asks {hello.get('backend')!r}"
         if hello.get("compat_hash") != self.layout.compat_hash():
             try:
@@ -250,9 +213,9 @@ class ControlSender(KVSender):
 
     def _start_tls(self, conn: Conn, deadline: float) -> socket.socket:
         """The TLS handshake (when configured), by ``deadline``; the wrapped socket takes the plain one's place."""
-        if self._tls is None:
+        if self.tls is None:
             return conn.sock
-        wrapped = wrap_server(self._tls, conn.sock)
+        wrapped = wrap_server(self.tls, conn.sock)
         self._admission.replace_sock(conn, wrapped)
         wrapped.settimeout(max(0.001, deadline - time.monotonic()))
         wrapped.do_handshake()
@@ -277,13 +240,8 @@ class ControlSender(KVSender):
                 logger.warning("refusing receiver: %s", problem)
                 send_msg(sock, {"type": "refuse", "reason": problem})
                 return
-            mode = hello["backend"]
-            extra, payload = (self._ipc_export, b"") if mode == "cuda_ipc" else self._hello_extra(mode)
-            # Staged blocks may skip the socket: this host's receivers map our staging buffers.
-            shm = (mode == "tcp" and self.staging is not None and self.staging.shared
-                   and hello.get("shm_host") == host_identity())
-            if shm:
-                extra = {**extra, "shm_pid": os.getpid()}
+            path = self.path_named(hello["backend"])
+            extra, payload = path.hello_ok(hello)
             send_msg(sock, {"type": "hello_ok", "instance_id": self.instance_id,
                             "num_blocks": self.region.num_blocks,
                             "block_nbytes": self.region.block_nbytes, **extra}, payload)
@@ -292,12 +250,11 @@ class ControlSender(KVSender):
                 msg, _ = recv_msg(sock, self._max_header)
                 kind, tid = msg.get("type"), str(msg.get("tid"))
                 if kind == "read":
-                    self._handle_read(sock, tid, msg.get("cap"), msg.get("blocks", []), granted, mode,
-                                      shm and msg.get("shm") is True)
+                    self._handle_read(sock, tid, msg, granted, path, hello)
                 elif kind == "done":
                     t = granted.pop(tid, None)
                     ok = t is not None and t.succeed(t.granted_nbytes)
-                    if mode != "tcp":
+                    if path.acks_done:
                         reason = "" if ok else (t.error if t is not None else "transfer not granted")
                         send_msg(sock, {"type": "ack", "tid": tid, "ok": ok, "reason": reason})
                 elif kind == "abort":  # honoured from the grant's connection, or with the capability
@@ -335,8 +292,11 @@ class ControlSender(KVSender):
             shutdown_quietly(conn.sock)
             conn.sock.close()
 
-    def _handle_read(self, sock: socket.socket, tid: str, cap: object, blocks: list,
-                     granted: dict[str, Transfer], mode: str, shm: bool = False) -> None:
+    def _handle_read(self, sock: socket.socket, tid: str, msg: dict, granted: dict[str, Transfer],
+                     path: SenderPath, hello: dict) -> None:
+        """Grant (or refuse) the ``read`` ``msg`` of the receiver whose handshake was ``hello``; ``path``
+        then serves the blocks."""
+        cap, blocks = msg.get("cap"), msg.get("blocks", [])
         t = self._table.get(tid)
         reason = None
         if t is None or not auth.capability_ok(t.capability, cap):
@@ -361,14 +321,9 @@ class ControlSender(KVSender):
             return
         granted[tid] = t
         ids = [int(b) for b in blocks]
-        payload = self._grant_payload(t, ids) if mode not in ("tcp", "cuda_ipc") else b""
+        payload = path.grant_payload(t, ids)
         send_msg(sock, {"type": "grant", "tid": tid, "nbytes": len(ids) * self.region.block_nbytes}, payload)
-        if mode == "tcp":
-            serve_blocks(sock, self.region, t, ids, self.staging, shm)
-        elif mode == "cuda_ipc":  # the receiver copies out of its mapping, then says done
-            t.granted_nbytes = len(ids) * self.region.block_nbytes
-        else:
-            self._serve_grant(sock, t, ids)
+        path.serve(sock, t, ids, hello, msg)
 
 
 def _start_thread(thread: threading.Thread) -> None:

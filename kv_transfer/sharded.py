@@ -21,7 +21,9 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from .staging import Batch, StreamCopier
+from .copiers import Batch, StreamCopier
+from .layout import KVLayout
+from .memory import KVRegion
 
 
 class ShardedKV:
@@ -58,13 +60,25 @@ class ShardedKV:
         return rank * self.heads_per_shard, (rank + 1) * self.heads_per_shard
 
 
+def region_of(pool: Any, layout: KVLayout) -> KVRegion:
+    """The :class:`KVRegion` of any KV pool: a :class:`ShardedKV` or one buffer (see ``KVRegion.from_buffer``)."""
+    if not isinstance(pool, ShardedKV):
+        return KVRegion.from_buffer(pool, layout)
+    # Whole blocks with ``addr`` 0: there is no one byte range.
+    if KVLayout.of_kv_cache(pool, layout.model_id, None).mismatched_fields(layout) not in ([], ["kv_scales"]):
+        raise ValueError(f"sharded pool {pool.shape} {pool.dtype} does not match layout {layout}")
+    nbytes = pool.shape[0] * layout.block_nbytes
+    return KVRegion(pool, layout, 0, nbytes, pool.shape[0], pool.device.type, int(pool.device.index or 0),
+                    sharded=True)
+
+
 class ShardedCopier(StreamCopier):
     """Staging copies of a :class:`ShardedKV`: gathers whole blocks from the rank shards into a staging
     buffer (sender) and scatters them back out (receiver), run by run of consecutive blocks. On CUDA the
-    copies run on a side stream as :class:`~kv_transfer.staging.CudaCopier`'s do (written for a GPU; CPU
+    copies run on a side stream as :class:`~kv_transfer.copiers.CudaCopier`'s do (written for a GPU; CPU
     is what the tests run)."""
 
-    def __init__(self, region: Any) -> None:
+    def __init__(self, region: KVRegion) -> None:
         import torch
         self.torch = torch
         self.pool: ShardedKV = region.owner

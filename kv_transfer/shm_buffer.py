@@ -110,3 +110,39 @@ def can_map_from(pid: int) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+#: Shared staging buffers of one sender kept mapped (its stagers in use at once, two buffers each).
+MAX_PEER_BUFFERS = 32
+
+
+class SenderBuffers:
+    """A receiver's view of one same-host sender's shared staging buffers: whether the sender shares them
+    on the current connection (``shared``), and those mapped here, cached per buffer across reconnects."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.shared = False
+        self._buffers: dict[tuple, PeerBuffer] = {}
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def map(self, desc: dict) -> PeerBuffer:
+        """The sender's buffer ``desc`` mapped here (the cached mapping while that fd holds the same buffer)."""
+        key = (int(desc["pid"]), int(desc["fd"]))
+        buf = self._buffers.get(key)
+        if buf is not None and buf.key[2] == int(desc["inode"]) and buf.nbytes == int(desc["nbytes"]):
+            return buf
+        if buf is not None:  # that fd now holds another buffer
+            self._buffers.pop(key).close()
+        if len(self._buffers) >= MAX_PEER_BUFFERS:
+            self._buffers.pop(next(iter(self._buffers))).close()
+        buf = self._buffers[key] = PeerBuffer(desc, pin=self.pin)
+        return buf
+
+    def close(self) -> None:
+        """Unmap every buffer."""
+        buffers, self._buffers = list(self._buffers.values()), {}
+        for buf in buffers:
+            buf.close()

@@ -1,4 +1,4 @@
-"""The TCP data path, spoken by every sender and receiver.
+"""The TCP data path, spoken by every sender and receiver (:class:`TcpSendPath`, :class:`TcpPullPath`).
 
 After ``grant`` the sender writes the granted blocks on the control connection
 and the receiver reads them, in the order of the block ids. Host memory goes
@@ -33,12 +33,18 @@ deadline stop it at once; a staged side waits for its copies in flight before
 from __future__ import annotations
 
 import collections
+import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from .config import KVTransferConfig
+from .copiers import split_batches
+from .cuda_ipc import host_identity
+from .data_path import DataPath, Link, ReceiverPath, SenderPath
 from .memory import KVRegion
-from .staging import NUM_BUFFERS, Stager, StagingPool, split_batches
+from .shm_buffer import SenderBuffers, can_map_from
+from .staging import NUM_BUFFERS, Stager, StagingPool, make_staging
 from .transfer import Transfer
 from .wire import recv_into_views, recv_msg, send_msg, send_views, shutdown_quietly
 
@@ -186,3 +192,72 @@ def _recv_shm(sock: socket.socket, stager: Stager, block_ids: list[int], map_pee
         for _, handle in in_flight:  # the blocks are no longer touched once this returns
             copier.wait(handle)
     return total
+
+
+class _TcpPath(DataPath):
+    """Both halves: the side's staging pool (None: a host pool, its blocks go to the socket directly)."""
+
+    name = "tcp"
+    acks_done = False
+
+    def __init__(self, region: KVRegion, config: KVTransferConfig) -> None:
+        self.region = region
+        #: Host buffers device memory is staged through (None: host pool).
+        self.staging = make_staging(region, config.staging, config.staging_chunk_bytes, shared=config.staging_shm)
+        #: Who may map our shared staging buffers (None: they are not shared).
+        self._host = host_identity() if self.staging is not None and self.staging.shared else None
+
+    @property
+    def label(self) -> str:
+        """``"tcp-staged"`` (through host staging buffers) or ``"tcp"``: the backend name of a TCP side."""
+        return "tcp" if self.staging is None else "tcp-staged"
+
+    def stats(self) -> dict[str, int]:
+        return self.staging.stats() if self.staging is not None else {}
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+
+
+class TcpSendPath(_TcpPath, SenderPath):
+    """Streams granted blocks on the control connection (or hands them over in shared buffers)."""
+
+    def _shares_with(self, hello: dict) -> bool:
+        """Staged blocks may skip the socket: a receiver of this host maps our staging buffers."""
+        return self._host is not None and hello.get("shm_host") == self._host
+
+    def hello_ok(self, hello: dict) -> tuple[dict, bytes]:
+        return ({"shm_pid": os.getpid()} if self._shares_with(hello) else {}), b""
+
+    def serve(self, sock: socket.socket, t: Transfer, block_ids: list[int], hello: dict, read: dict) -> None:
+        serve_blocks(sock, self.region, t, block_ids, self.staging,
+                     self._shares_with(hello) and read.get("shm") is True)
+
+
+class TcpPullPath(_TcpPath, ReceiverPath):
+    """Reads granted blocks off the control connection (or out of a same-host sender's shared buffers);
+    ``link.path_state`` is that sender's :class:`~kv_transfer.shm_buffer.SenderBuffers`."""
+
+    def hello(self) -> dict:
+        return {"shm_host": self._host} if self._host is not None else {}
+
+    def connected(self, link: Link, hello: dict, payload: bytes) -> None:
+        if link.path_state is None:
+            link.path_state = SenderBuffers(pin=self.staging is not None and self.staging.copier_pins)
+        link.path_state.shared = bool(hello.get("shm_pid")) and can_map_from(hello["shm_pid"])
+
+    def read_fields(self, link: Link) -> dict:
+        return {"shm": link.path_state.shared}
+
+    def pull(self, link: Link, t: Transfer, grant: dict, payload: bytes) -> int:
+        buffers: SenderBuffers = link.path_state
+        return pull_blocks(link.sock, self.region, t, grant, self.staging, buffers.map if buffers.shared else None)
+
+    def forget(self, link: Link) -> None:
+        buffers, link.path_state = link.path_state, None
+        if buffers is not None:
+            buffers.close()
+
+    def link_stats(self, states: Sequence[Any]) -> dict[str, int]:
+        return {"shm_mapped": sum(len(s) for s in states if s is not None)}

@@ -134,20 +134,20 @@ def _install_fault(fault: str, stalled, unstall) -> None:
             stall()
         ControlSender._handle_read = handle_read
     elif fault == "stall_in_pull":  # receiver hangs while pulling
-        import kv_transfer.nixl_backend as nb
-        import kv_transfer.peer_link as rc
-        orig_tcp_pull = rc.pull_blocks
+        import kv_transfer.nixl_path as nb
+        import kv_transfer.tcp_path as tp
+        orig_tcp_pull = tp.pull_blocks
 
         def tcp_pull(*a, **k):
             stall()
             return orig_tcp_pull(*a, **k)
-        rc.pull_blocks = tcp_pull
-        orig_nixl_pull = nb.NixlReceiver._pull
+        tp.pull_blocks = tcp_pull
+        orig_nixl_pull = nb.NixlPullPath.pull
 
         def nixl_pull(self, *a, **k):
             stall()
             return orig_nixl_pull(self, *a, **k)
-        nb.NixlReceiver._pull = nixl_pull
+        nb.NixlPullPath.pull = nixl_pull
     elif fault:
         raise ValueError(f"unknown fault {fault}")
 

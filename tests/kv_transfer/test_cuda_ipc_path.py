@@ -27,7 +27,7 @@ pytest.importorskip("triton", reason="the triton wheel is part of the test insta
 from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender  # noqa: E402
 from kv_transfer.block_copy import as_block_rows, copy_blocks  # noqa: E402
 from kv_transfer.cuda_ipc import host_identity  # noqa: E402
-from kv_transfer.sender import ControlSender  # noqa: E402
+from kv_transfer.ipc_path import IpcSendPath  # noqa: E402
 
 from .helpers import assert_no_leak  # noqa: E402
 from .peers import SMOLLM2, make_pool  # noqa: E402
@@ -79,13 +79,16 @@ def test_mode_asks_for_ipc_only_on_the_same_host(thread_guard):
     pool = make_pool(LAYOUT, 4, 1)
     with make_receiver(pool, LAYOUT, KVTransferConfig(backend="tcp")) as recv:
         info = {"host": "127.0.0.1", "port": 1, "instance_id": "x", "modes": ["cuda_ipc", "tcp"]}
-        assert recv._mode_for({**info, "ipc_host": host_identity()}) == "tcp"  # host pool: no GPU copier
-        recv._ipc = _FakePuller()
-        assert recv._mode_for({**info, "ipc_host": host_identity()}) == "cuda_ipc"
-        assert recv._mode_for({**info, "ipc_host": "other-boot:1:2"}) == "tcp"
-        assert recv._mode_for(info) == "tcp"
-        recv._ipc_refused.add("x")
-        assert recv._mode_for({**info, "ipc_host": host_identity()}) == "tcp"
+        same_host = {**info, "ipc_host": host_identity()}
+        assert recv.choose_path(same_host).name == "tcp"  # host pool: no GPU copier
+        ipc = recv.path_named("cuda_ipc")
+        ipc.puller = _FakePuller()
+        assert recv.choose_path(same_host) is ipc
+        assert recv.choose_path({**info, "ipc_host": "other-boot:1:2"}).name == "tcp"
+        assert recv.choose_path(info).name == "tcp"
+        assert recv.fall_back(same_host, ipc).name == "tcp"  # failed with instance "x": not asked again
+        assert recv.choose_path(same_host).name == "tcp"
+        assert recv.choose_path({**same_host, "instance_id": "y"}) is ipc  # a new sender instance: tried again
 
 
 def test_unmappable_pool_falls_back_and_stays_exact(monkeypatch, thread_guard):
@@ -93,12 +96,12 @@ def test_unmappable_pool_falls_back_and_stays_exact(monkeypatch, thread_guard):
     for that sender instance, this and later transfers complete, nothing leaks."""
     fake = {"ipc_handle": "00" * 64, "ipc_offset": 0, "ipc_nbytes": LAYOUT.block_nbytes * 16,
             "ipc_host": host_identity()}
-    monkeypatch.setattr(ControlSender, "_export_ipc", lambda self: dict(fake))
+    monkeypatch.setattr(IpcSendPath, "for_region", classmethod(lambda cls, region, config: cls(region, dict(fake))))
     src = make_pool(LAYOUT, 16, 1)
     dst = make_pool(LAYOUT, 16, 2)
     with make_sender(src, LAYOUT, KVTransferConfig(backend="tcp")) as sender, \
             make_receiver(dst, LAYOUT, KVTransferConfig(backend="tcp")) as recv:
-        recv._ipc = _FakePuller()
+        recv.path_named("cuda_ipc").puller = _FakePuller()
         info = sender.peer_info()
         assert info["modes"][0] == "cuda_ipc" and info["ipc_host"] == host_identity()
         for tid, remote, local in [("a", [9, 2, 14], [0, 5, 3]), ("b", [1, 0], [15, 8])]:
@@ -107,7 +110,7 @@ def test_unmappable_pool_falls_back_and_stays_exact(monkeypatch, thread_guard):
             assert t.wait(10) == TransferState.DONE, t.error
             assert st.wait(10) == TransferState.DONE
             np.testing.assert_array_equal(dst[local], src[remote])
-        assert info["instance_id"] in recv._ipc_refused
+        assert recv.choose_path(info).name == "tcp"  # for good, with this sender instance
         assert recv.stats()["cuda_ipc_pulls"] == 0
         assert_no_leak(recv.stats())
         assert_no_leak(sender.stats())

@@ -23,8 +23,9 @@ from kv_transfer import (
     make_receiver,
     make_sender,
 )
+from kv_transfer.copiers import split_batches
 from kv_transfer.factory import select_backend
-from kv_transfer.staging import NUM_SHARED_BUFFERS, split_batches
+from kv_transfer.staging import NUM_SHARED_BUFFERS
 
 from .helpers import BACKENDS, HAVE_NIXL, assert_no_leak
 from .peers import SMOLLM2, config_for, make_pool
@@ -293,11 +294,12 @@ def test_cuda_copier_code_on_cpu_tensors(shm, gather, fake_cuda, monkeypatch, th
     import contextlib
 
     import kv_transfer.block_copy as block_copy
+    import kv_transfer.copiers as copiers
     import kv_transfer.staging as staging
     calls = []
     if gather:
         pytest.importorskip("triton")
-        monkeypatch.setattr(staging, "GATHER_MIN_RUNS", 1)
+        monkeypatch.setattr(copiers, "GATHER_MIN_RUNS", 1)
         launch, one_at_a_time = block_copy.copy_blocks, threading.Lock()
 
         def copy_blocks(*a, **k):  # Triton's interpreter is not thread-safe (a GPU runs both sides)

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from kv_transfer import BackendUnavailableError, KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
-from kv_transfer.memory import KVRegion
-from kv_transfer.sharded import ShardedKV
+from kv_transfer.sharded import ShardedKV, region_of
 
 HEADS, BLOCKS = 6, 12
 
@@ -33,13 +32,13 @@ def test_sharded_pool_reads_as_whole_blocks():
     layout = KVLayout.of_kv_cache(p, "m")
     assert layout.num_kv_heads == HEADS and layout.dtype == "bfloat16" and layout.device == "cpu"
     assert layout == KVLayout.of_kv_cache(whole(p), "m")  # same wire layout (and hash) as one unsharded pool
-    region = KVRegion.from_buffer(p, layout)
+    region = region_of(p, layout)
     assert region.sharded and not region.is_host and region.num_blocks == BLOCKS
     assert [p.head_range(r) for r in range(3)] == [(0, 2), (2, 4), (4, 6)]
     with pytest.raises(ValueError, match="differs from shard 0"):
         ShardedKV([torch.zeros(2, 1, 2, 4, 2, 8), torch.zeros(2, 1, 2, 4, 3, 8)])
     with pytest.raises(ValueError, match="does not match layout"):
-        KVRegion.from_buffer(p, KVLayout("m", "bfloat16", 4, 3, HEADS + 1, 8))
+        region_of(p, KVLayout("m", "bfloat16", 4, 3, HEADS + 1, 8))
 
 
 @pytest.mark.parametrize("p,d", [(2, 1), (1, 2), (2, 3), (3, 2), (2, 2)])

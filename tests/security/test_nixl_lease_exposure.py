@@ -45,14 +45,15 @@ def pair(request):
 def _can_prepare(receiver, sender, block_ids: list[int]) -> bool:
     """Can the receiver's NIXL agent build READ descriptors of these sender blocks?"""
     (link,) = receiver._links.values()
-    name, _ = link.backend_state
+    name, _ = link.path_state
+    nixl = receiver.path_named("nixl").nixl
     info = link.hello
     descs = block_descs(int(info["base_addr"]), LAYOUT.block_nbytes, NUM_BLOCKS, 0)
     try:
-        prep = receiver.nixl.prep(name, descs[np.asarray(block_ids)], "DRAM")
+        prep = nixl.prep(name, descs[np.asarray(block_ids)], "DRAM")
     except Exception:
         return False
-    receiver.nixl.release_prep(prep)
+    nixl.release_prep(prep)
     return True
 
 
@@ -86,7 +87,7 @@ def test_a_lease_that_fails_after_its_grant_deregisters(pair):
 
     def cut(*_args, **_kwargs):  # the READ fails after the grant: the receiver drops the link
         raise ConnectionError("cut")
-    receiver._read = cut
+    receiver.path_named("nixl")._read = cut
     t = sender.expect("cut", [2, 3])
     r = receiver.read(sender.peer_info(), "cut", [2, 3], [2, 3], timeout_s=10, capability=t.capability)
     assert r.wait(10) == TransferState.FAILED

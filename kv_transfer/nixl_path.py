@@ -1,4 +1,7 @@
-"""NIXL backend: the receiver READs the sender's registered KV memory via UCX.
+"""The ``nixl`` data path: the receiver READs the sender's registered KV memory via UCX.
+
+:class:`NixlSendPath` and :class:`NixlPullPath` are the native path of a NIXL side (built by the
+factory, which with ``backend="auto"`` also runs their loopback self-test).
 
 The receiver's pool is registered once (DRAM for CPU memory, VRAM for CUDA
 tensors, with the GPU made current in every thread that calls NIXL; the
@@ -36,7 +39,6 @@ removed before the new one is added.
 
 from __future__ import annotations
 
-import logging
 import select
 import socket
 import time
@@ -45,30 +47,25 @@ from typing import Any
 import numpy as np
 
 from .config import KVTransferConfig
-from .layout import KVLayout
+from .data_path import Link, ReceiverPath, SenderPath
 from .memory import KVRegion
 from .nixl_agent import SPIN_S, NixlAgent, ProgressPump, block_descs
 from .nixl_lease import LeaseRegistry, SenderKeys
-from .peer_link import PeerLink
-from .receiver import ControlReceiver
-from .sender import ControlSender
 from .transfer import Transfer
-
-logger = logging.getLogger("pdserve.kv_transfer")
 
 
 def _mem_type(region: KVRegion) -> str:
     return "VRAM" if region.is_cuda else "DRAM"
 
 
-class NixlSender(ControlSender):
-    """Registers the KV pool with NIXL; receivers READ it after a grant."""
+class NixlSendPath(SenderPath):
+    """Registers the KV pool (or each grant's blocks) with NIXL; receivers READ it after a grant."""
 
-    backend_name = "nixl"
-    modes = ("nixl", "tcp")
+    name = "nixl"
 
-    def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
-        region = KVRegion.from_buffer(kv_cache, layout)  # validate before the costly agent
+    def __init__(self, region: KVRegion, config: KVTransferConfig) -> None:
+        self.region = region
+        self.config = config
         self.nixl = NixlAgent("send", config)
         try:
             if region.is_cuda:
@@ -81,26 +78,18 @@ class NixlSender(ControlSender):
             self.nixl.close()
             raise
         self._pump = ProgressPump(self.nixl, active=not config.nixl_progress_thread)
-        try:
-            super().__init__(kv_cache, layout, config)
-        except Exception:  # e.g. the port is taken
-            self._pump.close()
-            self.nixl.close()
-            raise
 
     def self_test(self) -> None:
         """See :meth:`NixlAgent.self_test`."""
         self.nixl.self_test()
 
-    def _hello_extra(self, mode: str) -> tuple[dict, bytes]:
-        if mode != "nixl":
-            return {}, b""
+    def hello_ok(self, hello: dict) -> tuple[dict, bytes]:
         r = self.region
         self._pump.keep_alive_for(2.0)  # the receiver's UCX wire-up needs our progress
         return ({"agent_name": self.nixl.name, "base_addr": r.addr, "mem_type": _mem_type(r),
                  "device_id": r.device_id, "expose": self.config.nixl_expose}, self._metadata)
 
-    def _grant_payload(self, t: Transfer, block_ids: list[int]) -> bytes:
+    def grant_payload(self, t: Transfer, block_ids: list[int]) -> bytes:
         """``"lease"``: register the granted blocks until ``t`` ends; their metadata rides on the grant."""
         if self.config.nixl_expose != "lease" or not block_ids:
             return b""
@@ -108,31 +97,32 @@ class NixlSender(ControlSender):
         t.add_finish_hook(lambda _t: self._leases.release(block_ids))
         return metadata
 
-    def _serve_grant(self, sock: socket.socket, t: Transfer, block_ids: list[int]) -> None:
+    def serve(self, sock: socket.socket, t: Transfer, block_ids: list[int], hello: dict, read: dict) -> None:
         t.granted_nbytes = len(block_ids) * self.region.block_nbytes
         self._pump.hold()
         t.add_finish_hook(lambda _t: self._pump.release())
 
-    def _backend_stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int]:
         if self.nixl.agent is None:
             return {"registered_regions": 0}
         stats = self.nixl.stats()
         return {**stats, "registered_regions": stats["registered_regions"] + self._leases.num_registered}
 
-    def _close_backend(self) -> None:
+    def close(self) -> None:
         self._pump.close()
         self._leases.clear()
         self.nixl.close()
 
 
-class NixlReceiver(ControlReceiver):
-    """READs granted blocks from the sender's registered pool."""
+class NixlPullPath(ReceiverPath):
+    """READs granted blocks from the sender's registered memory; ``link.path_state`` is
+    ``(the sender's agent name, its prepared descriptors or lease keys)``."""
 
-    backend_name = "nixl"
-    modes = ("nixl", "tcp")
+    name = "nixl"
 
-    def __init__(self, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) -> None:
-        r = KVRegion.from_buffer(kv_cache, layout)  # validate before the costly agent
+    def __init__(self, region: KVRegion, config: KVTransferConfig) -> None:
+        r = self.region = region
+        self.config = config
         self.nixl = NixlAgent("recv", config)
         try:
             if r.is_cuda:
@@ -146,15 +136,14 @@ class NixlReceiver(ControlReceiver):
             raise
         self._lease_resets = 0
         """Reloads of a sender's metadata because a lease touched blocks we held keys for."""
-        super().__init__(kv_cache, layout, config)  # only now the reaper thread starts
 
     def self_test(self) -> None:
         """See :meth:`NixlAgent.self_test`."""
         self.nixl.self_test()
 
-    def _on_connected(self, link: PeerLink, hello: dict, payload: bytes) -> None:
+    def connected(self, link: Link, hello: dict, payload: bytes) -> None:
         name = str(hello["agent_name"])
-        if link.backend_state is not None and link.backend_state[0] == name:
+        if link.path_state is not None and link.path_state[0] == name:
             return  # reconnect to the same sender instance: keep its prepared list
         self._drop_remote(link)
         if int(hello["block_nbytes"]) != self.region.block_nbytes:
@@ -167,7 +156,7 @@ class NixlReceiver(ControlReceiver):
             prep = SenderKeys(name, payload) if hello.get("expose") == "lease" else self.nixl.prep(
                 name, block_descs(int(hello["base_addr"]), int(hello["block_nbytes"]),
                                   int(hello["num_blocks"]), int(hello["device_id"])), str(hello["mem_type"]))
-            link.backend_state = (name, prep)
+            link.path_state = (name, prep)
             with self.nixl.lock:
                 self.nixl.agent.make_connection(name)
         except Exception:
@@ -175,23 +164,23 @@ class NixlReceiver(ControlReceiver):
             self.nixl.remove_remote(name)
             raise
 
-    def _drop_remote(self, link: PeerLink) -> None:
-        if link.backend_state is None:
+    def _drop_remote(self, link: Link) -> None:
+        if link.path_state is None:
             return
-        name, prep = link.backend_state
-        link.backend_state = None
+        name, prep = link.path_state
+        link.path_state = None
         if not isinstance(prep, SenderKeys):
             self.nixl.release_prep(prep)
         self.nixl.remove_remote(name)
 
-    def _forget_peer(self, link: PeerLink) -> None:
+    def forget(self, link: Link) -> None:
         if self.nixl.agent is not None:
             self._drop_remote(link)
 
-    def _pull(self, link: PeerLink, t: Transfer, grant: dict, payload: bytes) -> int:
+    def pull(self, link: Link, t: Transfer, grant: dict, payload: bytes) -> int:
         if not t.block_ids:
             return 0
-        name, state = link.backend_state
+        name, state = link.path_state
         if not isinstance(state, SenderKeys):  # "pool": prepared once per sender
             return self._read(link, t, state, t.remote_block_ids)
         if not payload:
@@ -206,7 +195,7 @@ class NixlReceiver(ControlReceiver):
         finally:
             self.nixl.release_prep(lease_prep)
 
-    def _read(self, link: PeerLink, t: Transfer, remote_prep: Any, remote_ids: list[int]) -> int:
+    def _read(self, link: Link, t: Transfer, remote_prep: Any, remote_ids: list[int]) -> int:
         """READ ``remote_ids`` of ``remote_prep`` into ``t``'s local blocks, watching for stop,
         deadline and a sender that hangs up."""
         handle, st = self.nixl.start_read(self._local, list(t.block_ids), remote_prep, remote_ids)
@@ -238,11 +227,11 @@ class NixlReceiver(ControlReceiver):
                 raise ConnectionError("NIXL transfer could not be released")
         return len(t.block_ids) * self.region.block_nbytes
 
-    def _backend_stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int]:
         stats = self.nixl.stats() if self.nixl.agent is not None else {"registered_regions": 0}
         return {**stats, "nixl_lease_resets": self._lease_resets}
 
-    def _close_backend(self) -> None:
+    def close(self) -> None:
         self.nixl.close()
 
 
