@@ -127,10 +127,10 @@ def test_tls_and_api_keys_reach_the_routers(rendered):
     assert flags["--tls-cert-file"] == mounts["router-tls"] + "/tls.crt"
     assert flags["--tls-key-file"] == mounts["router-tls"] + "/tls.key"
     assert volumes["router-tls"]["secretName"] == "pdserve-router-tls"
-    assert flags["--api-key-file"] == mounts["api-keys"] + "/api-keys"
+    assert flags["--api-keys-file"] == mounts["api-keys"] + "/api-keys"
     assert volumes["api-keys"]["secretName"] == "pdserve-api-keys"
     assert not [n for n, s in pod_specs(objects(rendered["defaults"])) for c in s["containers"]
-                if "--tls-cert-file" in c.get("args", []) or "--api-key-file" in c.get("args", [])]
+                if "--tls-cert-file" in c.get("args", []) or "--api-keys-file" in c.get("args", [])]
 
 
 def test_tls_from_an_existing_secret_and_in_raycluster_mode():
@@ -140,7 +140,7 @@ def test_tls_from_an_existing_secret_and_in_raycluster_mode():
     [ray] = by_kind(objs, "RayCluster")
     head = ray["spec"]["headGroupSpec"]["template"]["spec"]
     assert "--tls-cert-file /etc/pdserve/tls/tls.crt" in head["containers"][0]["args"][0]
-    assert "--api-key-file /etc/pdserve/auth/api-keys" in head["containers"][0]["args"][0]
+    assert "--api-keys-file /etc/pdserve/auth/api-keys" in head["containers"][0]["args"][0]
     assert {v["name"]: v.get("secret", {}).get("secretName") for v in head["volumes"]}["router-tls"] == \
         "my-router-cert"
     assert head["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
@@ -189,15 +189,15 @@ def test_internal_tls_reaches_routers_and_workers(case, rendered):
     objs = objects(rendered[case])
     for role in ("prefill", "decode"):
         worker = container_of(objs, f"pdserve-{role}")
-        assert flag_values(worker["args"], ["--tls-cert", "--tls-key", "--tls-ca"]) == INTERNAL_FILES
+        assert flag_values(worker["args"], ["--internal-tls-cert", "--internal-tls-key", "--internal-tls-ca"]) == INTERNAL_FILES
         metrics = next(p["containerPort"] for p in worker["ports"] if p["name"] == "metrics")
         # the kubelet's gRPC probes speak no TLS: HTTP on the metrics port, readiness = takes work
         assert worker["readinessProbe"]["httpGet"] == {"path": "/ready", "port": metrics}
         assert worker["livenessProbe"]["httpGet"] == {"path": "/health", "port": metrics}
         assert INTERNAL_MOUNT in worker["volumeMounts"]
     router = container_of(objs, "pdserve-router")
-    assert flag_values(router["args"], ["--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca",
-                                        "--worker-tls-server-name"]) == [*INTERNAL_FILES, "pdserve-internal"]
+    assert flag_values(router["args"], ["--internal-tls-cert", "--internal-tls-key", "--internal-tls-ca",
+                                        "--internal-tls-server-name"]) == [*INTERNAL_FILES, "pdserve-internal"]
     assert INTERNAL_MOUNT in router["volumeMounts"]
     assert internal_tls_secrets(objs) == {"pdserve-internal-tls"}
     certificates = [c for c in by_kind(objs, "Certificate") if c["metadata"]["name"] == "pdserve-internal-tls"]
@@ -238,7 +238,7 @@ def test_internal_tls_in_raycluster_mode_reaches_serve_and_every_ray_pod(rendere
         assert INTERNAL_MOUNT in spec["containers"][0]["volumeMounts"], name
     assert internal_tls_secrets(objs) == {"pdserve-internal-tls"}
     assert [s for s in by_kind(objs, "Secret") if s["metadata"]["name"] == "pdserve-internal-tls"]
-    assert "--worker-tls-server-name" in container_of(objs, "pdserve-router")["args"]
+    assert "--internal-tls-server-name" in container_of(objs, "pdserve-router")["args"]
 
 
 @pytest.mark.parametrize("mode", ["deployments", "raycluster"])
@@ -251,7 +251,7 @@ def test_internal_tls_off_still_renders_plaintext_links_with_grpc_probes(mode):
     assert "pdserve-internal-tls" not in [s["metadata"]["name"] for s in by_kind(objs, "Secret")]
     for name, spec in pod_specs(objs):
         container = spec["containers"][0]
-        assert not {"--tls-cert", "--worker-tls-cert"} & set(container.get("args", [])), name
+        assert not {"--internal-tls-cert"} & set(container.get("args", [])), name
         assert "--internal-tls" not in " ".join(container.get("args", [])), name
         if mode == "deployments" and ("prefill" in name or "decode" in name):
             assert "grpc" in container["readinessProbe"], name

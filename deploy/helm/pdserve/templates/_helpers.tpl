@@ -133,19 +133,19 @@ default
 {{- end }}
 {{- end -}}
 
-{{/* Flags naming the mounted files: <prefix>cert, <prefix>key, <prefix>ca, and with "serverName" the name
-     checked in the peers' certificates. Workers: prefix --tls- (their gRPC port and KV links speak mutual
-     TLS); routers: --worker-tls- (they present the certificate to workers and check theirs by its name);
-     `serve` (raycluster head): --internal-tls- (its router and the worker actors it places use the files,
-     mounted on every Ray pod). Pass (dict "root" $ "prefix" P "serverName" true|false). */}}
+{{/* Flags naming the mounted files: --internal-tls-cert, -key, -ca, and with "serverName" the name checked
+     in the peers' certificates (routers and `serve`). Workers: their gRPC port and KV links speak mutual
+     TLS; routers present the certificate to workers and check theirs by its name; `serve` (raycluster
+     head): its router and the worker actors it places use the files, mounted on every Ray pod.
+     Pass (dict "root" $ "serverName" true|false). */}}
 {{- define "pdserve.internalTLSArgs" -}}
 {{- if .root.Values.internalTLS.enabled }}
 {{- range $part := list "cert" "key" "ca" }}
-- {{ $.prefix }}{{ $part }}
+- --internal-tls-{{ $part }}
 - /etc/pdserve/internal-tls/{{ get (dict "cert" "tls.crt" "key" "tls.key" "ca" "ca.crt") $part }}
 {{- end }}
 {{- if .serverName }}
-- {{ .prefix }}server-name
+- --internal-tls-server-name
 - {{ include "pdserve.internalName" .root }}
 {{- end }}
 {{- end }}
@@ -189,7 +189,7 @@ default
 - /etc/pdserve/tls/tls.key
 {{- end }}
 {{- if .Values.auth.existingSecret }}
-- --api-key-file
+- --api-keys-file
 - /etc/pdserve/auth/{{ .Values.auth.secretKey }}
 {{- end }}
 {{- end -}}
