@@ -71,13 +71,14 @@ def test_cli_reports_bad_lines_and_still_runs_good_ones(tmp_path):
         assert set(r) == {"id", "index", "token_ids", "text", "finish_reason", "usage", "logprobs"}
 
 
-def test_cli_kv_cache_dtype_fp8_reaches_the_engine(tmp_path):
+def test_cli_kv_cache_dtype_fp8_reaches_the_engine(tmp_path, caplog):
+    """In-process `pdserve.cli.main` (the test above runs the real subprocess)."""
+    from pdserve.cli import main
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}],
                                "temperature": 0, "max_tokens": 8}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "--log-level", "info", "generate", "--offline",
-                           "--model", "default", "--kv-cache-dtype", "fp8", "--input", str(src), "--output", str(dst)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "float8_e4m3fn" in proc.stderr  # the KV cache's log line
+    caplog.set_level("INFO", logger="engine")
+    assert main(["--log-level", "info", "generate", "--offline", "--model", "default", "--kv-cache-dtype", "fp8",
+                 "--kv-cache-memory-gib", "0.05", "--input", str(src), "--output", str(dst)]) == 0
+    assert "float8_e4m3fn" in caplog.text  # the KV cache's log line
     assert json.loads(dst.read_text())["text"] == "The capital of France is Paris."

@@ -14,8 +14,8 @@ import pytest
 def test_a_short_chaos_run_kills_restarts_and_reports(smollm2_dir, tmp_path):
     report_file = tmp_path / "chaos.json"
     done = subprocess.run([sys.executable, "-m", "pdserve.cli", "chaos", "--prefill", "0", "--decode", "2",
-                           "--roles", "decode", "--faults", "kill", "--duration-s", "20", "--first-fault-s", "6",
-                           "--fault-every-s", "100", "--request-rate", "1.5", "--random-input-len", "32",
+                           "--roles", "decode", "--faults", "kill", "--duration-s", "12", "--first-fault-s", "4",
+                           "--fault-every-s", "100", "--request-rate", "2", "--random-input-len", "32",
                            "--random-output-len", "24", "--output", str(report_file),
                            "--worker-args", "--dtype float32 --kv-cache-memory-gib 0.25 --num-threads 1"],
                           capture_output=True, text=True, timeout=600)

@@ -19,6 +19,7 @@ from tests.cluster.harness import assert_no_leaks, generation_stub, metric_value
 pytestmark = pytest.mark.usefixtures("workers_restored")
 
 MAX_TOKENS = 24
+DRAINED_TOKENS = 64  # ~60 decode steps left at the SIGTERM: well past the 1 s drain timeout even when idle
 PROMPTS = [f"Write a short poem about the number {i} and the sea." for i in range(16)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -169,12 +170,14 @@ def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine
     assert_no_leaks(survivors, secret_file=cluster["secret"])
 
 
-def test_a_decode_worker_drained_past_its_timeout_hands_its_streams_over(cluster, offline_greedy):
-    """SIGTERM with --drain-timeout-s 1 under streams of 24 tokens; what still runs at the timeout ends
-    as "draining" and migrates."""
-    prompts, expected = offline_greedy
+def test_a_decode_worker_drained_past_its_timeout_hands_its_streams_over(cluster, offline_engine, offline_greedy):
+    """SIGTERM with --drain-timeout-s 1 under streams of DRAINED_TOKENS tokens (so that an idle machine
+    does not finish them within the second); what still runs at the timeout ends as "draining" and migrates."""
+    params = SamplingParams(temperature=0.0, max_tokens=DRAINED_TOKENS, ignore_eos=True)
+    prompts = offline_greedy[0][:4]
+    expected = [o.completions[0].token_ids for o in offline_engine.generate(prompts, params)]
     before = migrations(cluster, "drained")
-    streams = [Stream(cluster["router"], p, GREEDY) for p in prompts[:4]]
+    streams = [Stream(cluster["router"], p, params) for p in prompts]
     for s in streams:
         assert s.started.wait(120) and s.code is None, s.code
     victim, held = busiest_decode(cluster)
@@ -183,7 +186,7 @@ def test_a_decode_worker_drained_past_its_timeout_hands_its_streams_over(cluster
     for s in streams:
         s.join()
     assert victim.popen.wait(30) == 0
-    for i, (s, want) in enumerate(zip(streams, expected[:4], strict=True)):
+    for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
         assert s.code is None, (i, s.code, s.details)
         assert s.tokens == want and s.complete.usage.completion_tokens == len(want), i
     assert migrations(cluster, "drained") >= before + 1

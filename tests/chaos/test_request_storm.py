@@ -1,4 +1,4 @@
-"""Chaos scenario 6: 1,000 requests against 2 prefill + 2 decode workers, half over gRPC and half over
+"""Chaos scenario 6: 400 requests against 2 prefill + 2 decode workers, half over gRPC and half over
 the OpenAI HTTP front, most of them ended early by the client: cancelled, past a deadline, aborted by
 id, disconnected mid-stream. Every request ends with a status a caller can act on (never INTERNAL,
 UNKNOWN or a 5xx), the ones left alone finish complete, and no worker or router holds anything after."""
@@ -21,7 +21,7 @@ from tests.cluster.harness import assert_no_leaks, metric_value
 
 pytestmark = pytest.mark.usefixtures("workers_restored")
 
-NUM_REQUESTS = 1000
+NUM_REQUESTS = 400  # every way of ending is drawn dozens of times over each front
 CONCURRENCY = 32
 ACTIONS = ("complete", "cancel", "deadline", "disconnect", "abort")
 WEIGHTS = (35, 20, 20, 15, 10)
@@ -96,7 +96,7 @@ async def http_exchange(http: httpx.AsyncClient, url: str, rng: random.Random, a
 
 
 @pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
-def test_a_thousand_requests_ended_every_which_way_all_end_with_a_status(chaos_cluster):
+def test_four_hundred_requests_ended_every_which_way_all_end_with_a_status(chaos_cluster):
     cluster = chaos_cluster
     router = cluster["front"]
     rng = random.Random(2026)

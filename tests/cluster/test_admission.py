@@ -16,7 +16,7 @@ from common.client import build_request
 from common.protocol import generate_pb2_grpc
 from engine.sampling_params import SamplingParams
 from loadtest.chaos.processes import stop_all
-from tests.cluster.harness import assert_no_leaks, free_port, metric_value, start, start_worker
+from tests.cluster.harness import assert_no_leaks, free_port, metric_value, start, start_workers
 
 MAX_TOKENS = 48
 
@@ -25,10 +25,8 @@ MAX_TOKENS = 48
 def small_cluster(smollm2_dir):
     procs = []
     try:
-        prefill = start_worker("prefill")
-        procs.append(prefill)
-        decode = start_worker("decode", "--max-num-requests", "2")
-        procs.append(decode)
+        procs += start_workers(["prefill", ["decode", "--max-num-requests", "2"]])
+        prefill, decode = procs
         port = free_port()
         router = start("router", ["router", "--port", "0", "--prefill-workers", prefill.address,
                                   "--decode-workers", decode.address, "--max-queue-len", "2",

@@ -9,7 +9,7 @@ import pytest
 from common.grpc_common import insecure_channel
 from common.protocol import generate_pb2, generate_pb2_grpc
 from loadtest.chaos.processes import stop_all
-from tests.cluster.harness import assert_no_leaks, start_router, start_workers, worker_stats
+from tests.cluster.harness import assert_no_leaks, start_cluster, worker_stats
 from tests.cluster.test_cluster_outputs import read_results, run_cli
 
 MAX_TOKENS = 40
@@ -23,10 +23,10 @@ def test_decode_worker_under_memory_pressure_preempts_and_completes(tmp_path, sm
     # that find no blocks for their pull within 0.3 s recompute their prompt here instead (the three
     # running take 40 steps to free theirs: longer than that even on a fast, idle AVX-512 machine, where
     # 1 s was sometimes enough for them to finish)
-    prefill, decode = start_workers(["prefill", ["decode", "--kv-cache-memory-gib", "0.009",
-                                                 "--pull-timeout-s", "0.3"]])
     # Remote prefill even for these ~20-token prompts (by default the decode worker would prefill them itself).
-    router = start_router([prefill], [decode], "--skip-prefill-tokens", "0")
+    prefill, decode, router = start_cluster(["prefill", ["decode", "--kv-cache-memory-gib", "0.009",
+                                                         "--pull-timeout-s", "0.3"]],
+                                            router_flags=("--skip-prefill-tokens", "0"))
     try:
         async def run_all():
             async with insecure_channel(router.address) as channel:

@@ -10,8 +10,7 @@ from tests.cluster.harness import (
     free_port,
     generate_routed,
     metric_value,
-    start_router,
-    start_workers,
+    start_cluster,
     stop_all,
     wait_until_idle,
 )
@@ -25,9 +24,7 @@ def test_restarted_workers_serve_a_prefix_from_their_disk_tier(tmp_path):
     tiers = {role: ["--kv-offload-cpu-gib", "0.05", "--kv-offload-dir", str(tmp_path / role),
                     "--kv-offload-disk-gib", "0.2", "--metrics-port", str(ports[role])]
              for role in ("prefill", "decode")}
-    prefill, decode = start_workers([["prefill", *tiers["prefill"]], ["decode", *tiers["decode"]]])
-    router_metrics = free_port()
-    router = start_router([prefill], [decode], "--metrics-port", str(router_metrics))
+    prefill, decode, router = start_cluster([["prefill", *tiers["prefill"]], ["decode", *tiers["decode"]]])
     try:
         first = generate_routed(router, prompt, max_tokens=6)
         assert first["cached"] == 0
@@ -35,7 +32,7 @@ def test_restarted_workers_serve_a_prefix_from_their_disk_tier(tmp_path):
         for worker in (prefill, decode):  # the device pools are gone; the disk files stay
             worker.stop()
             worker.restart()
-        disk_blocks, healthy, url = 0.0, 0.0, f"http://127.0.0.1:{router_metrics}/metrics"
+        disk_blocks, healthy, url = 0.0, 0.0, router.metrics_url
         for _ in range(100):  # the router resyncs from the restarted workers' snapshots and polls them back
             disk_blocks = sum(metric_value(url, "pdserve:kv_index_blocks", worker=w.address, medium="disk") or 0
                               for w in (prefill, decode))

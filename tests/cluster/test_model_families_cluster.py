@@ -5,7 +5,8 @@ is 12; Phi-3: fused qkv_proj and gate_up_proj; Qwen3-MoE and Mixtral: 8 experts 
 dense layer between its sparse ones; Gemma 2/3 and gpt-oss: sliding windows of 24 tokens on alternating /
 5-in-6 layers, soft-capping, attention sinks, gpt-oss's MoE; Mistral with every layer windowed). The
 prompts (70 and 37 tokens) are longer than the windows. The greedy tokens equal transformers' own
-generate (fp32) and the workers end with no KV block, request or lease held. One cluster per family, for the module.
+generate (fp32) and the workers end with no KV block, request or lease held. One cluster per family, the
+next one starting while a family's test runs.
 
 MoE families also export per-expert token counts (worker_runtime/moe_metrics.py): the prefill worker's
 equal transformers' routing of the prompt tokens, the decode worker's that of the tokens it fed back. Two
@@ -13,13 +14,15 @@ more MoE clusters run two ranks per worker: Qwen3-MoE tensor-parallel (each rank
 and Mixtral expert-parallel (`--enable-expert-parallel`, each rank 4 whole experts; rank 0's counts still
 cover all 8).
 """
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from loadtest.chaos.processes import stop_all
-from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, start_router, start_workers
+from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, start_cluster
 from tests.conftest import hf_greedy
 from tests.engine.test_gemma import tiny_gemma
 from tests.engine.test_gpt_oss import tiny_gpt_oss
@@ -41,27 +44,57 @@ PROMPTS = [[3 + (131 * i) % 49000 for i in range(70)], [11, 400, 9000, 77] * 9 +
 MAX_TOKENS = 12
 
 
-def start_cluster(path, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()):
-    """[prefill, decode, router] on `path`, each worker with its own metrics port (`metrics_url`)."""
+def start_family_cluster(path, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()):
+    """[prefill, decode, router] on `path`, started side by side, each worker with its own metrics port
+    (`metrics_url`)."""
     ports = [free_port(), free_port()]
-    started = start_workers([["prefill", *prefill_flags, "--metrics-port", str(ports[0])],
+    started = start_cluster([["prefill", *prefill_flags, "--metrics-port", str(ports[0])],
                              ["decode", *decode_flags, "--metrics-port", str(ports[1])]],
-                            "--model", str(path), "--dtype", "float32")
-    try:
-        for proc, port in zip(started, ports, strict=True):
-            proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
-        started.append(start_router(started[:1], started[1:], "--model", str(path), "--skip-prefill-tokens", "0"))
-    except BaseException:
-        stop_all(started)
-        raise
+                            "--model", str(path), "--dtype", "float32",
+                            router_flags=("--model", str(path), "--skip-prefill-tokens", "0"))
+    for proc, port in zip(started, ports, strict=False):
+        proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
     return started
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
-def family_cluster(request, tmp_path_factory, tokenizer_dir):
+FAMILIES = sorted(BUILDERS)
+AHEAD = 2
+
+
+@pytest.fixture(scope="module")
+def family_launcher(tmp_path_factory, tokenizer_dir):
+    """Starts families' clusters in the background: while one family's test runs, the next AHEAD families'
+    clusters start (start-ups mostly wait: two cores do more than one start at a time). Clusters started
+    but never used are stopped with the module."""
+    def launch(arch):
+        with seeded:  # one checkpoint at a time: each draws its weights from torch's global seeded generator
+            path = BUILDERS[arch](tmp_path_factory.mktemp(arch), tokenizer_dir)
+        return path, start_family_cluster(path)
+
+    seeded = threading.Lock()
+
+    pool, pending = ThreadPoolExecutor(AHEAD), {}
+
+    def get(arch):
+        future = pending.pop(arch, None) or pool.submit(launch, arch)
+        for following in FAMILIES[FAMILIES.index(arch) + 1:][:AHEAD]:
+            if following not in pending:
+                pending[following] = pool.submit(launch, following)
+        return future.result()
+
+    try:
+        yield get
+    finally:
+        for future in pending.values():
+            if future.exception() is None:
+                stop_all(future.result()[1])
+        pool.shutdown()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_cluster(request, family_launcher):
     """(architecture, checkpoint, [prefill, decode], router) for one family."""
-    path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param), tokenizer_dir)
-    started = start_cluster(path)
+    path, started = family_launcher(request.param)
     try:
         yield request.param, path, started[:2], started[2]
     finally:
@@ -145,7 +178,7 @@ TWO_RANKS = {"tp2": ("qwen3_moe", ("--tensor-parallel-size", "2")),
 def test_moe_workers_with_two_ranks_equal_transformers(case, tmp_path, tokenizer_dir):
     family, flags = TWO_RANKS[case]
     path = tiny_moe(family, tmp_path, tokenizer_dir)
-    started = start_cluster(path, flags, flags)
+    started = start_family_cluster(path, flags, flags)
     try:
         workers, router = started[:2], started[2]
         expected = run_prompts(path, workers, router)

@@ -25,7 +25,7 @@ from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value
 PLANNER_FLAGS = ["--planner", "--max-prefill", "2", "--max-decode", "2", "--slo-ttft-ms", "1500",
                  "--slo-itl-ms", "1000", "--interval-s", "2", "--window-s", "6", "--scale-up-cooldown-s", "4",
                  "--scale-down-cooldown-s", "20", "--scale-down-window-s", "8"]
-SCHEDULE = ((0.5, 10.0), (3.0, 20.0), (0.5, 30.0))
+SCHEDULE = ((0.5, 6.0), (3.0, 20.0), (0.5, 14.0))  # the backlog phase keeps its length
 
 
 @pytest.mark.slow  # a long scenario: `make test-fast` leaves it out

@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -44,17 +45,21 @@ def cluster(smollm2_dir, tmp_path_factory):
     registry = ["--redis-url", redis_server.url, "--registry-ttl-s", str(TTL_S), "--cluster-secret-file", secret]
     procs = []
     try:
-        workers = start_workers(["prefill", "prefill", "decode"], *registry)
-        procs += workers
-        routers = []
-        for name in ("a", "b"):
-            port = free_port()
-            router = start(f"router-{name}", ["router", "--port", "0", "--health-interval-s", "0.5",
-                                              "--skip-prefill-tokens", "0", "--metrics-port", str(port),
-                                              "--route-metadata", *registry])
+        # The routers find the workers in Redis: all five processes start side by side.
+        ports = {name: free_port() for name in ("a", "b")}
+        with ThreadPoolExecutor(2) as pool:
+            starting = [pool.submit(start, f"router-{name}", ["router", "--port", "0", "--health-interval-s", "0.5",
+                                                              "--skip-prefill-tokens", "0", "--metrics-port",
+                                                              str(port), "--route-metadata", *registry])
+                        for name, port in ports.items()]
+            try:
+                workers = start_workers(["prefill", "prefill", "decode"], *registry)
+                procs += workers
+            finally:
+                procs += [f.result() for f in starting if f.exception() is None]
+        routers = [f.result() for f in starting]
+        for router, port in zip(routers, ports.values(), strict=True):
             router.metrics_url = f"http://127.0.0.1:{port}/metrics"
-            routers.append(router)
-            procs.append(router)
         for router in routers:
             wait_for(lambda router=router: all(healthy(router, w) for w in workers), 30)
         yield {"redis": redis_server, "workers": workers, "routers": routers, "registry": registry, "secret": secret}

@@ -19,6 +19,13 @@ from common.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster.harness import WORKER_FLAGS, free_port, generation_stub, metric_value, start
 
 
+def with_model(model_dir) -> list[str]:
+    """WORKER_FLAGS with `--model MODEL_DIR` in place of the default model."""
+    flags = list(WORKER_FLAGS)
+    flags[flags.index("--model") + 1] = str(model_dir)
+    return flags
+
+
 def assert_plaintext_callers_refused(proc, code: grpc.StatusCode) -> None:
     """A caller with neither the cluster secret nor a certificate gets `code` from every worker serve started."""
     line = next(x for x in proc.output if x.startswith("workers:"))
@@ -30,14 +37,14 @@ def assert_plaintext_callers_refused(proc, code: grpc.StatusCode) -> None:
         assert refused.value.code() == code
 
 
-def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
+def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, tiny_qwen2_dir):
     metrics_port, http_port = free_port(), free_port()
-    proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0",
-                           "--metrics-port", str(metrics_port), "--http-port", str(http_port), *WORKER_FLAGS])
+    proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0", "--metrics-port",
+                           str(metrics_port), "--http-port", str(http_port), *with_model(tiny_qwen2_dir)])
     try:
         assert any(f"OpenAI API at http://127.0.0.1:{http_port}/v1" in line for line in proc.output)
         models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30))
-        assert [m["id"] for m in models["data"]] == ["default"]
+        assert [m["id"] for m in models["data"]] == [str(tiny_qwen2_dir)]  # the model the workers serve
         descendants = psutil.Process(proc.popen.pid).children(recursive=True)
         assert len(descendants) >= 3, descendants  # Ray's own processes plus the two worker actors
         lines = [{"id": "a", "messages": [{"role": "user", "content": "Name a color."}], "temperature": 0,
@@ -78,11 +85,12 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, smollm2_dir):
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 
-def serve_over_mutual_tls(tls_flags: list[str], tmp_path: Path) -> None:
-    """Run `serve` with `tls_flags`: a prompt is prefilled on one worker and decoded on the other, gRPC
-    and the KV link both under TLS, plaintext callers are refused; SIGINT stops it cleanly."""
+def serve_over_mutual_tls(tls_flags: list[str], tmp_path: Path, model_dir) -> None:
+    """Run `serve` with `tls_flags` over the model at `model_dir` (which one is not the point): a prompt is
+    prefilled on one worker and decoded on the other, gRPC and the KV link both under TLS, plaintext
+    callers are refused; SIGINT stops it cleanly."""
     proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0", *tls_flags,
-                           "--metrics-port", str(free_port()), *WORKER_FLAGS])
+                           "--metrics-port", str(free_port()), *with_model(model_dir)])
     try:
         line = next(x for x in proc.output if x.startswith("workers:"))
         assert "mutual TLS" in line
@@ -103,12 +111,12 @@ def serve_over_mutual_tls(tls_flags: list[str], tmp_path: Path) -> None:
     assert code == 0, "".join(proc.output[-30:])
 
 
-def test_serve_with_internal_tls_speaks_mutual_tls_inside(tmp_path, smollm2_dir):
-    serve_over_mutual_tls(["--internal-tls"], tmp_path)  # a throwaway CA made by serve
+def test_serve_with_internal_tls_speaks_mutual_tls_inside(tmp_path, tiny_qwen2_dir):
+    serve_over_mutual_tls(["--internal-tls"], tmp_path, tiny_qwen2_dir)  # a throwaway CA made by serve
 
 
 @pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
-def test_serve_starts_a_private_ray_cluster_beside_a_running_ray_start(tmp_path, smollm2_dir):
+def test_serve_starts_a_private_ray_cluster_beside_a_running_ray_start(tmp_path, tiny_qwen2_dir):
     """`ray.init()` without an address joins the cluster a `ray start` left on this machine (its
     address file); serve without --ray-address must start its own instead, as it says."""
     ray, address_file = str(Path(sys.executable).with_name("ray")), Path("/tmp/ray/ray_current_cluster")
@@ -121,7 +129,8 @@ def test_serve_starts_a_private_ray_cluster_beside_a_running_ray_start(tmp_path,
         while not address_file.exists() or stale and address_file.stat().st_mtime < time.time() - 60:
             assert head.poll() is None and time.monotonic() < deadline, "ray start did not come up"
             time.sleep(0.5)
-        proc = start("serve", ["serve", "--prefill", "0", "--decode", "1", "--port", "0", *WORKER_FLAGS])
+        proc = start("serve", ["serve", "--prefill", "0", "--decode", "1", "--port", "0",
+                               *with_model(tiny_qwen2_dir)])  # which model it serves is not the point
         try:
             request = generate_pb2.GenerateRequest(request_id="own-ray", text="Hi", params=generate_pb2.SamplingParams(
                 max_tokens=3, ignore_eos=True))
@@ -129,7 +138,7 @@ def test_serve_starts_a_private_ray_cluster_beside_a_running_ray_start(tmp_path,
             assert out[-1].complete.usage.completion_tokens == 3
         finally:
             assert proc.stop(signal.SIGINT, timeout=60) == 0, "".join(proc.output[-30:])
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
+    finally:  # SIGKILL: `ray start --block` takes ~30 s over a SIGTERM; its processes share its group
+        os.killpg(head.pid, signal.SIGKILL)
         head.wait(60)
         address_file.unlink(missing_ok=True)  # what `ray stop` would remove

@@ -11,7 +11,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from loadtest.chaos.processes import stop_all
-from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, metric_value, start_router, start_worker
+from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, metric_value, start_cluster
 
 # Text that repeats itself, so the n-gram proposer finds what comes next in the prompt.
 PROMPT = [1, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575, 282, 4649, 314] * 6
@@ -21,14 +21,11 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def spec_cluster(smollm2_dir):
     metrics_port, http_port = free_port(), free_port()
-    prefill = start_worker("prefill")
-    procs = [prefill]
+    speculative = ["--speculative-method", "ngram", "--num-speculative-tokens", "4"]
+    procs = start_cluster(["prefill", ["decode", *speculative, "--metrics-port", str(metrics_port)]],
+                          router_flags=("--http-port", str(http_port)))
+    prefill, decode, router = procs
     try:
-        decode = start_worker("decode", "--speculative-method", "ngram", "--num-speculative-tokens", "4",
-                              "--metrics-port", str(metrics_port))
-        procs.append(decode)
-        router = start_router([prefill], [decode], "--http-port", str(http_port))
-        procs.append(router)
         router.http_url = f"http://127.0.0.1:{http_port}"
         decode.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield {"prefill": prefill, "decode": decode, "router": router}

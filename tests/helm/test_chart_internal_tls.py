@@ -130,7 +130,7 @@ def test_helm_upgrade_keeps_the_generated_secret(tmp_path, secret, source):
         assert sorted(remade) == sorted(installed) and all(remade.values()) and remade != installed
 
 
-def test_serve_runs_internal_links_over_mutual_tls_with_the_charts_files(tmp_path, smollm2_dir):
+def test_serve_runs_internal_links_over_mutual_tls_with_the_charts_files(tmp_path, tiny_qwen2_dir):
     """The raycluster head's `serve` flags, with the generated Secret's files where the pods mount them:
     the router reaches the workers and a prompt is prefilled on one worker and decoded on the other."""
     files = write_internal_tls(tmp_path / "internal-tls")
@@ -139,4 +139,4 @@ def test_serve_runs_internal_links_over_mutual_tls_with_the_charts_files(tmp_pat
     tls_flags = [arg for flag, value in zip(head, head[1:], strict=False) if flag.startswith("--internal-tls")
                  for arg in (flag, value.replace(MOUNT, str(tmp_path / "internal-tls")))]
     assert len(tls_flags) == 8 and files.cert_file in tls_flags
-    serve_over_mutual_tls(tls_flags, tmp_path)
+    serve_over_mutual_tls(tls_flags, tmp_path, tiny_qwen2_dir)

@@ -189,7 +189,8 @@ def test_internal_tls_reaches_routers_and_workers(case, rendered):
     objs = objects(rendered[case])
     for role in ("prefill", "decode"):
         worker = container_of(objs, f"pdserve-{role}")
-        assert flag_values(worker["args"], ["--internal-tls-cert", "--internal-tls-key", "--internal-tls-ca"]) == INTERNAL_FILES
+        assert flag_values(worker["args"],
+                           ["--internal-tls-cert", "--internal-tls-key", "--internal-tls-ca"]) == INTERNAL_FILES
         metrics = next(p["containerPort"] for p in worker["ports"] if p["name"] == "metrics")
         # the kubelet's gRPC probes speak no TLS: HTTP on the metrics port, readiness = takes work
         assert worker["readinessProbe"]["httpGet"] == {"path": "/ready", "port": metrics}

@@ -155,6 +155,7 @@ def _install_fault(fault: str, stalled, unstall) -> None:
 def run_peer(conn, spec: dict, stalled, unstall) -> None:
     """Child main: build the side described by ``spec`` and serve commands."""
     try:
+        os.environ.update(spec.get("env", {}))
         from kv_transfer import KVLayout, make_receiver, make_sender
         _install_fault(spec.get("fault", ""), stalled, unstall)
         layout = KVLayout(**spec["layout"])

@@ -20,14 +20,14 @@ from loadtest.chaos.processes import stop_all
 from loadtest.config import DatasetConfig, LoadTestConfig
 from loadtest.runner import run
 from router.metrics import LATENCY_BUCKETS
-from tests.cluster.harness import free_port, generation_stub, start_router, start_worker
+from tests.cluster.harness import free_port, generation_stub, start_router, start_workers
 from tests.monitoring.planner_process import SLO_ITL_MS, SLO_TTFT_MS, fake_kube_with_pools, start_planner
 from tests.monitoring.prometheus import Prometheus, dashboard_expressions, metric_names, rule_expressions
 
 TTFT_EXTRA_MS = 25.0
 NUM_PROMPTS = 20
 MOE_ONLY = {"pdserve:moe_expert_tokens_total", "pdserve:moe_layer_imbalance"}
-"""Series only Mixture-of-Experts models export (this cluster runs the dense default model): their panels
+"""Series only Mixture-of-Experts models export (this cluster runs a dense model): their panels
 must parse here; tests/monitoring/test_moe_metrics.py and the MoE cluster tests check their values."""
 
 
@@ -37,17 +37,17 @@ def kv_tier_flags(directory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir, tmp_path_factory):
-    """The router's address and the scrape targets by job: the workers, the router, and a `pdserve planner`
-    reading the router's metrics and sizing the pools through a fake Kubernetes API."""
+def cluster(tiny_qwen2_dir, tmp_path_factory):
+    """The router's address and the scrape targets by job: the workers (the tiny random model: the series,
+    not the tokens, are the point), the router, and a `pdserve planner` reading the router's metrics and
+    sizing the pools through a fake Kubernetes API."""
     ports = {"prefill": free_port(), "decode": free_port(), "router": free_port(), "planner": free_port()}
     procs = []
     kube = fake_kube_with_pools()
     try:
-        procs.append(start_worker("prefill", "--metrics-port", str(ports["prefill"]),
-                                  *kv_tier_flags(tmp_path_factory.mktemp("kv-prefill"))))
-        procs.append(start_worker("decode", "--metrics-port", str(ports["decode"]),
-                                  *kv_tier_flags(tmp_path_factory.mktemp("kv-decode"))))
+        tiers = {role: kv_tier_flags(tmp_path_factory.mktemp(f"kv-{role}")) for role in ("prefill", "decode")}
+        procs += start_workers([[role, "--metrics-port", str(ports[role]), *tiers[role]] for role in tiers],
+                               "--model", str(tiny_qwen2_dir))
         procs.append(start_router(procs[:1], procs[1:], "--metrics-port", str(ports["router"])))
         procs.append(start_planner(kube, tmp_path_factory.mktemp("planner"), ports["router"], ports["planner"]))
         yield procs[2].address, {job: [f"127.0.0.1:{p}"] for job, p in ports.items()}
@@ -72,7 +72,7 @@ def test_dashboards_and_alerts_query_a_live_cluster(cluster, prometheus):
     #    suffixes exceed the router's skip-prefill threshold, so every request goes through prefill).
     dataset = DatasetConfig(name="prefix", prefix_num_prefixes=2, prefix_len=64, suffix_len=48,
                             prefix_output_len=12)
-    result = run(LoadTestConfig(url=address, dataset=dataset, num_prompts=NUM_PROMPTS, request_rate=2.0, seed=1,
+    result = run(LoadTestConfig(url=address, dataset=dataset, num_prompts=NUM_PROMPTS, request_rate=5.0, seed=1,
                                 progress=False, request_timeout_s=120))
     summary = result.summary
     assert summary["completed"] == NUM_PROMPTS, summary.get("failures_by_status")

@@ -103,7 +103,18 @@ def ray_cluster(**env: str):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def ray_hosts():
+@pytest.fixture(scope="package")
+def shared_ray_hosts():
+    """One three-host Ray cluster for the package (starting one takes tens of seconds)."""
     with ray_cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def ray_hosts(shared_ray_hosts):
+    """The package's cluster, with a node started again on any host whose processes all died (a test
+    that kills a host and fails before restarting it leaves the next test a whole cluster)."""
+    for host in (2, 3):
+        if not shared_ray_hosts.hosts.pids(host):
+            shared_ray_hosts.start_node(host, temp_name=f"h{host}-{secrets.token_hex(3)}", attempts=2)
+    return shared_ray_hosts

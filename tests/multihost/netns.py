@@ -86,11 +86,15 @@ class Hosts:
                 except OSError:
                     pass
 
-    def kill_all(self, host: int) -> list[int]:
-        """SIGKILL every process in namespace ``host`` (1-based), as if the machine died; their pids."""
+    def pids(self, host: int) -> list[int]:
+        """The processes running in namespace ``host`` (1-based)."""
         done = subprocess.run(["ip", "netns", "pids", self.names[host - 1]], capture_output=True, text=True,
                               timeout=30, check=True)
-        pids = [int(p) for p in done.stdout.split()]
+        return [int(p) for p in done.stdout.split()]
+
+    def kill_all(self, host: int) -> list[int]:
+        """SIGKILL every process in namespace ``host`` (1-based), as if the machine died; their pids."""
+        pids = self.pids(host)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

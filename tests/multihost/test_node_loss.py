@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.cluster.harness import WORKER_FLAGS
+from tests.cluster.test_serve import with_model
 from tests.multihost.conftest import PROBE
 from tests.multihost.test_ray_across_hosts import PROMPT, metric_text_value
 
@@ -42,7 +42,7 @@ def wait_for(what: str, check, timeout: float, output: list[str]):
 
 @pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
 @pytest.mark.timeout(1200)  # three worker starts, each minutes long on a busy machine
-def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hosts, tmp_path):
+def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hosts, tmp_path, tiny_qwen2_dir):
     hosts, env, head = ray_hosts.hosts, ray_hosts.env, ray_hosts.head
     decode_ip = hosts.addresses[2]
     (tmp_path / "in.jsonl").write_text(json.dumps(REQUEST) + "\n")
@@ -62,7 +62,8 @@ def test_a_lost_decode_node_leaves_rotation_and_its_restart_serves_again(ray_hos
         return any(text in line for line in output)
 
     with ray_hosts.serve("--prefill", "1", "--decode", "1", "--host", head, "--port", str(ROUTER_PORT),
-                         "--metrics-port", str(METRICS_PORT), "--health-interval-s", "0.5", *WORKER_FLAGS) as output:
+                         "--metrics-port", str(METRICS_PORT), "--health-interval-s", "0.5",
+                         *with_model(tiny_qwen2_dir)) as output:
         # 1. serving: a greedy request through host 2 (prefill) and host 3 (decode)
         workers = next(line for line in output if line.startswith("workers:"))
         old_decode = re.search(rf"decode ({re.escape(decode_ip)}:\d+)", workers).group(1)

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.cluster.harness import WORKER_FLAGS
 from tests.cluster.test_cluster_outputs import run_cli
+from tests.cluster.test_serve import with_model
 from tests.multihost.conftest import PROBE
 
 ROUTER_PORT, METRICS_PORT = 50061, 9461
@@ -21,16 +21,17 @@ PROMPT = ", ".join(str(i) for i in range(60))  # ~230 tokens: prefilled on host 
 
 
 @pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
-def test_serve_places_pools_on_their_hosts_and_kv_crosses_the_link(ray_hosts, tmp_path):
+def test_serve_places_pools_on_their_hosts_and_kv_crosses_the_link(ray_hosts, tmp_path, tiny_qwen2_dir):
     hosts, env, head = ray_hosts.hosts, ray_hosts.env, ray_hosts.head
+    worker_flags = with_model(tiny_qwen2_dir)  # which model is not the point: the same as offline
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "mh", "prompt": PROMPT, "temperature": 0, "max_tokens": 12,
                                                    "ignore_eos": True}) + "\n")
-    engine_flags = [f for f in WORKER_FLAGS if f not in ("--num-threads", "1")]
+    engine_flags = [f for f in worker_flags if f not in ("--num-threads", "1")]
     offline = run_cli(["generate", "--offline", *engine_flags, "--input", str(tmp_path / "in.jsonl"),
                        "--output", str(tmp_path / "offline.jsonl")])
     assert offline.returncode == 0, offline.stderr
     with ray_hosts.serve("--prefill", "1", "--decode", "1", "--host", head, "--port", str(ROUTER_PORT),
-                         "--metrics-port", str(METRICS_PORT), *WORKER_FLAGS) as output:
+                         "--metrics-port", str(METRICS_PORT), *worker_flags) as output:
         workers = next(line for line in output if line.startswith("workers:"))
         # each pool on the node that declares it, at the address Ray knows that node by
         assert re.search(rf"prefill {re.escape(hosts.addresses[1])}:\d+", workers), workers

@@ -69,10 +69,10 @@ def test_worker_presence_uses_the_password_file(protected_redis, password_file, 
 
 
 def test_worker_and_router_meet_through_a_protected_redis_with_the_password_in_a_file(protected_redis,
-                                                                                     password_file, smollm2_dir):
+                                                                                     password_file, tiny_qwen2_dir):
     registry = ["--redis-url", protected_redis.url, "--redis-password-file", password_file,
                 "--registry-ttl-s", "2"]
-    worker = start_worker("decode", *registry)
+    worker = start_worker("decode", *registry, "--model", str(tiny_qwen2_dir))
     router = None
     try:
         router = start("router", ["router", "--port", "0", "--health-interval-s", "0.5", *registry])

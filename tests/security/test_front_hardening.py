@@ -35,11 +35,11 @@ GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir, tmp_path_factory):
+def cluster(tiny_qwen2_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text(f"front:{KEY}\n")
     metrics_port, http_port = free_port(), free_port()
-    procs = start_workers([["decode", "--metrics-port", str(metrics_port)]])
+    procs = start_workers([["decode", "--metrics-port", str(metrics_port), "--model", str(tiny_qwen2_dir)]])
     try:
         procs.append(start_router([], procs, "--http-port", str(http_port), "--api-key-file", str(key_file),
                                   "--http-header-timeout-s", str(HEADER_TIMEOUT_S),

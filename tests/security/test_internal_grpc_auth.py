@@ -33,10 +33,11 @@ def keys(secret_file):
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir, secret_file):
+def cluster(tiny_qwen2_dir, secret_file):
     procs = []
     try:
-        procs += start_workers(["prefill", "decode"], "--cluster-secret-file", secret_file)
+        procs += start_workers(["prefill", "decode"], "--cluster-secret-file", secret_file,
+                               "--model", str(tiny_qwen2_dir))  # who may call is the point, not the tokens
         procs.append(start_router(procs[:1], procs[1:2], "--cluster-secret-file", secret_file))
         yield {"prefill": procs[0], "decode": procs[1], "router": procs[2]}
     finally:
@@ -283,19 +284,22 @@ def fake_worker():
 def test_a_worker_that_cannot_prove_the_secret_gets_no_request(fake_worker, secret_file, smollm2_dir):
     request = generate_pb2.GenerateRequest(request_id="fake-1", tokens=generate_pb2.TokenIds(ids=PROMPT),
                                            params=params(max_tokens=2))
-    router = start_router([], [fake_worker], "--cluster-secret-file", secret_file)
+    # Both routers start side by side; the control (no secret) gets its request only after the check.
+    with ThreadPoolExecutor(2) as pool:
+        routers = [pool.submit(start_router, [], [fake_worker], *flags)
+                   for flags in (("--cluster-secret-file", secret_file), ())]
+    if any(r.exception() for r in routers):
+        stop_all(r.result() for r in routers if r.exception() is None)
+        raise next(r.exception() for r in routers if r.exception())
+    router, control = [r.result() for r in routers]
     try:
         with pytest.raises(grpc.RpcError) as info:
             list(generation_stub(router.address).Generate(request, timeout=30))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
         router.stop()
-    assert fake_worker.calls and set(fake_worker.calls) == {"GetStats"}, fake_worker.calls
-    # control: a router without the secret trusts the same fake and hands it the prompt
-    router = start_router([], [fake_worker])
-    try:
+        assert fake_worker.calls and set(fake_worker.calls) == {"GetStats"}, fake_worker.calls
+        # control: a router without the secret trusts the same fake and hands it the prompt
         with pytest.raises(grpc.RpcError):
-            list(generation_stub(router.address).Generate(request, timeout=30))
+            list(generation_stub(control.address).Generate(request, timeout=30))
     finally:
-        router.stop()
-    assert "Decode" in fake_worker.calls
+        stop_all([router, control])

@@ -30,11 +30,12 @@ def pki(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tls_cluster(smollm2_dir, pki, tmp_path_factory):
+def tls_cluster(tiny_qwen2_dir, pki, tmp_path_factory):
     from common.cluster_auth import write_secret_file
     secret = write_secret_file(str(tmp_path_factory.mktemp("secret")))
     worker_tls = ["--tls-cert", str(pki / "worker.pem"), "--tls-key", str(pki / "worker.key"),
-                  "--tls-ca", str(pki / "ca.pem"), "--cluster-secret-file", secret]
+                  "--tls-ca", str(pki / "ca.pem"), "--cluster-secret-file", secret,
+                  "--model", str(tiny_qwen2_dir)]  # the channel is the point, not the tokens
     procs = []
     try:
         procs += start_workers(["prefill", "decode"], *worker_tls)

@@ -75,13 +75,13 @@ class Relay(grpc.GenericRpcHandler):
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir, tmp_path_factory):
+def cluster(tiny_qwen2_dir, tmp_path_factory):
     redis_server = RedisServer(free_port()).start()
     secret = write_secret_file(str(tmp_path_factory.mktemp("secret")))
     registry = ["--redis-url", redis_server.url, "--registry-ttl-s", "2", "--cluster-secret-file", secret]
     procs = []
     try:
-        procs += start_workers(["prefill", "decode"], *registry)
+        procs += start_workers(["prefill", "decode"], *registry, "--model", str(tiny_qwen2_dir))
         yield {"redis": redis_server, "prefill": procs[0], "decode": procs[1], "registry": registry,
                "secret": secret}
     finally:
