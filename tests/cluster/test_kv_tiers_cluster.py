@@ -17,12 +17,14 @@ from tests.cluster.harness import (
 
 
 @pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
-def test_restarted_workers_serve_a_prefix_from_their_disk_tier(tmp_path):
+def test_restarted_workers_serve_a_prefix_from_their_disk_tier(tmp_path, tiny_qwen2_dir):
     rng = random.Random(7)
     prompt = [rng.randrange(1000, 40000) for _ in range(200)]  # 12 full blocks
     ports = {"prefill": free_port(), "decode": free_port()}
-    tiers = {role: ["--kv-offload-cpu-gib", "0.05", "--kv-offload-dir", str(tmp_path / role),
-                    "--kv-offload-disk-gib", "0.2", "--metrics-port", str(ports[role])]
+    # the tiers, not the model's tokens, are the point: the tiny checkpoint loads and prefills faster
+    tiers = {role: ["--model", str(tiny_qwen2_dir), "--kv-offload-cpu-gib", "0.05",
+                    "--kv-offload-dir", str(tmp_path / role), "--kv-offload-disk-gib", "0.2",
+                    "--metrics-port", str(ports[role])]
              for role in ("prefill", "decode")}
     prefill, decode, router = start_cluster([["prefill", *tiers["prefill"]], ["decode", *tiers["decode"]]])
     try:

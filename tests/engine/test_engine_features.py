@@ -173,22 +173,27 @@ def test_max_model_len_is_capped_by_kv_capacity(smollm2_dir):
     assert_idle(engine)
 
 
-def test_decode_role_continues_from_kv_computed_by_another_engine(smollm2_dir, engine, france):
-    """Prefill on one engine, copy its KV blocks into another, continue there: same tokens."""
+def test_decode_role_continues_from_kv_computed_by_another_engine(tiny_qwen2_dir, engine, france):
+    """Prefill on one engine, copy its KV blocks into another, continue there: same tokens as one engine
+    (in this `engine`'s overlap mode). Three engines on the tiny checkpoint (same tokenizer as SmolLM2)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = engine.generate([france], params)[0].completions[0].token_ids
-    prefill = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32",
-                                     cache=CacheConfig(kv_cache_memory_bytes=64 << 20)))
+
+    def tiny(**kwargs):
+        return LLMEngine(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32",
+                                      cache=CacheConfig(kv_cache_memory_bytes=64 << 20), **kwargs))
+
+    expected = tiny(overlap_steps=engine.overlap).generate([france], params)[0].completions[0].token_ids
+    prefill = tiny()
     prefill.add_request("p", france, SamplingParams(temperature=0, max_tokens=2))
     first_token = prefill.step()[0].token_ids[0]  # the prompt's KV computed, first token sampled
     src_table = list(prefill.kv.block_table("p"))
     assert first_token == expected[0]
-    decode = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32",
-                                    cache=CacheConfig(kv_cache_memory_bytes=64 << 20)))
+    decode = tiny()
     decode.generate([france], SamplingParams(temperature=0, max_tokens=1))  # caches its 2 full blocks locally
     table, num_local = decode.reserve_kv("d", france)
     assert num_local == 2 and len(table) == len(src_table) == -(-len(france) // 16)
     missing = table[num_local:]
+    decode.runner.kv_cache[missing] = 0  # a freed block may still hold this KV: only the copy may bring it
     decode.runner.kv_cache[missing] = prefill.runner.kv_cache[src_table[num_local:]]  # "the transfer"
     decode.add_request("d", france, params, first_token_id=first_token)
     tokens = [first_token]

@@ -103,6 +103,7 @@ def test_ngram_speculation_over_an_moe_target_is_exact(moe_case):
 
 def test_an_moe_draft_identical_to_the_target_is_always_accepted(moe_case):
     family, path, prompts, expected = moe_case
+    prompts, expected = prompts[:3], expected[:3]  # 25 to 117 tokens: a draft model steps slowly
     engine = engine_for(path, speculative=SpeculativeConfig(method="draft", model=str(path), num_speculative_tokens=3))
     got = [o.completions[0].token_ids for o in engine.generate(prompts, GREEDY)]
     assert_equal(got, expected)
@@ -113,6 +114,7 @@ def test_an_moe_draft_identical_to_the_target_is_always_accepted(moe_case):
 
 def test_a_dense_draft_for_an_moe_target_keeps_greedy_exact(moe_case, tmp_path, tokenizer_dir):
     family, path, prompts, expected = moe_case
+    prompts, expected = prompts[:3], expected[:3]  # 25 to 117 tokens: a draft model steps slowly
     draft = tiny_qwen3(tmp_path / "draft", tokenizer_dir)  # same vocabulary, random: mostly rejected
     engine = engine_for(path, speculative=SpeculativeConfig(method="draft", model=str(draft), num_speculative_tokens=3))
     got = [o.completions[0].token_ids for o in engine.generate(prompts, GREEDY)]

@@ -47,14 +47,20 @@ def tiny_moe(family: str, path, tokenizer_dir):
     return save_tiny_checkpoint(model, path, tokenizer_dir)
 
 
+_CASES: dict[str, tuple] = {}  # family -> moe_case: built once per session, shared with test_moe_combinations
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def moe_case(request, tmp_path_factory, tokenizer_dir):
     """(family, checkpoint dir, prompts, transformers' greedy tokens)."""
-    path = tiny_moe(request.param, tmp_path_factory.mktemp(request.param), tokenizer_dir)
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 120))] for _ in range(5)] + [[7]]
-    assert max(map(len, prompts)) > 3 * CHUNK
-    return request.param, path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
+    if request.param not in _CASES:
+        path = tiny_moe(request.param, tmp_path_factory.mktemp(request.param), tokenizer_dir)
+        rng = random.Random(5)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 120))] for _ in range(5)] + [[7]]
+        assert max(map(len, prompts)) > 3 * CHUNK
+        _CASES[request.param] = request.param, path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
+    family, path, prompts, expected = _CASES[request.param]
+    return family, path, [list(p) for p in prompts], [list(e) for e in expected]
 
 
 
