@@ -30,15 +30,9 @@ def test_prefill_transfer_decode_equals_one_engine(smollm2_dir, backend):
 
     layout = KVLayout.of_kv_cache(prefill.runner.kv_cache, "SmolLM2-135M-Instruct")
     assert layout == KVLayout.of_kv_cache(decode.runner.kv_cache, "SmolLM2-135M-Instruct")
-    cfg = KVTransferConfig(backend=backend, host="127.0.0.1")
-    with make_sender(prefill.runner.kv_cache, layout, cfg) as sender, \
-            make_receiver(decode.runner.kv_cache, layout, cfg) as receiver:
-        lease = sender.expect("p", src_table, timeout_s=30)
-        pull = receiver.read(sender.peer_info(), "p", src_table[num_local:], dst_table[num_local:], timeout_s=30,
-                             capability=lease.capability)
-        assert pull.wait(30) == TransferState.DONE
-        assert lease.wait(10) == TransferState.DONE  # the prefill side may now free
-        assert pull.bytes_moved == (len(src_table) - num_local) * layout.block_nbytes
+    moved = pull_blocks(prefill, decode, layout, KVTransferConfig(backend=backend, host="127.0.0.1"), src_table,
+                        dst_table, num_local)
+    assert moved == (len(src_table) - num_local) * layout.block_nbytes
     finish_on_decode(prefill, decode, prompt, params, first_token, expected)
 
 
@@ -130,6 +124,19 @@ def test_fp8_blocks_transfer_and_refuse_a_bf16_peer(smollm2_dir):
             assert pull.wait(30) == TransferState.DONE
             assert pull.bytes_moved == len(src_table) * bf16.block_nbytes // 2
     finish_on_decode(prefill, decode, prompt, params, first_token, expected)
+
+
+def pull_blocks(prefill, decode, layout, cfg, src_table, dst_table, num_local) -> int:
+    """Lease request "p"'s blocks on a sender over the prefill engine's pool and pull those past `num_local`
+    into the decode engine's `dst_table`; both sides end DONE (the prefill side may then free). Bytes moved."""
+    with make_sender(prefill.runner.kv_cache, layout, cfg) as sender, \
+            make_receiver(decode.runner.kv_cache, layout, cfg) as receiver:
+        lease = sender.expect("p", src_table, timeout_s=30)
+        pull = receiver.read(sender.peer_info(), "p", src_table[num_local:], dst_table[num_local:], timeout_s=30,
+                             capability=lease.capability)
+        assert pull.wait(30) == TransferState.DONE
+        assert lease.wait(10) == TransferState.DONE
+        return pull.bytes_moved
 
 
 def finish_on_decode(prefill, decode, prompt, params, first_token, expected) -> None:

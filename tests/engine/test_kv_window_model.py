@@ -104,8 +104,8 @@ def test_prefill_to_decode_transfer_of_a_windowed_prompt_pulls_only_the_last_win
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams as Params
-    from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
-    from tests.engine.test_engine_kv_transfer import finish_on_decode
+    from kv_transfer import KVLayout, KVTransferConfig
+    from tests.engine.test_engine_kv_transfer import finish_on_decode, pull_blocks
     config = EngineConfig(model=str(windowed_mistral_dir), dtype="float32",
                           cache=CacheConfig(block_size=E2E_BLOCK, num_blocks=32),
                           scheduler=SchedulerConfig(max_num_batched_tokens=32))
@@ -127,14 +127,8 @@ def test_prefill_to_decode_transfer_of_a_windowed_prompt_pulls_only_the_last_win
     assert decode.num_kv_blocks_used == 2
 
     layout = KVLayout.of_kv_cache(prefill.runner.kv_cache, "tiny-mistral-window")
-    cfg = KVTransferConfig(backend="tcp", host="127.0.0.1")
-    with make_sender(prefill.runner.kv_cache, layout, cfg) as sender, \
-            make_receiver(decode.runner.kv_cache, layout, cfg) as receiver:
-        lease = sender.expect("p", src_table, timeout_s=30)
-        pull = receiver.read(sender.peer_info(), "p", src_table[num_local:], dst_table[num_local:], timeout_s=30,
-                             capability=lease.capability)
-        assert pull.wait(30) == TransferState.DONE
-        assert lease.wait(10) == TransferState.DONE
-        assert pull.bytes_moved == 2 * layout.block_nbytes
+    moved = pull_blocks(prefill, decode, layout, KVTransferConfig(backend="tcp", host="127.0.0.1"), src_table,
+                        dst_table, num_local)
+    assert moved == 2 * layout.block_nbytes
     prefill.release_kv("p")
     finish_on_decode(prefill, decode, prompt, params, first_token, expected)
