@@ -10,13 +10,19 @@ import json
 from dataclasses import dataclass
 
 from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.structured_output.spec import StructuredOutput
 
 INPUT_FIELDS = ("prompt", "token_ids", "messages")
 SAMPLING_FIELDS = {
     "max_tokens": int, "min_tokens": int, "temperature": (int, float), "top_p": (int, float),
     "top_k": int, "seed": int, "stop": (str, list), "stop_token_ids": list, "ignore_eos": bool,
-    "logprobs": int, "n": int,
+    "logprobs": int, "n": int, "repetition_penalty": (int, float), "presence_penalty": (int, float),
+    "frequency_penalty": (int, float), "min_p": (int, float), "logit_bias": dict, "bad_words": list,
+    "prompt_logprobs": int,
 }
+STRUCTURED_FIELDS = {"json_schema": (dict, bool, str), "json_object": bool, "regex": str, "grammar": str,
+                     "choice": list}
+"""At most one per line, as gRPC's structured_output oneof (json_schema as a JSON object or its text)."""
 
 
 @dataclass
@@ -43,7 +49,7 @@ def parse_line(line_no: int, text: str) -> LineRequest:
         raise LineError(line_no, "<json>", f"not valid JSON ({exc.msg})") from None
     if not isinstance(obj, dict):
         raise LineError(line_no, "<json>", "each line must be a JSON object")
-    unknown = sorted(set(obj) - set(INPUT_FIELDS) - set(SAMPLING_FIELDS) - {"id"})
+    unknown = sorted(set(obj) - set(INPUT_FIELDS) - set(SAMPLING_FIELDS) - set(STRUCTURED_FIELDS) - {"id"})
     if unknown:
         raise LineError(line_no, unknown[0], "unknown field")
     given = [f for f in INPUT_FIELDS if f in obj]
@@ -63,7 +69,7 @@ def parse_line(line_no: int, text: str) -> LineRequest:
     if messages is not None:
         _check_messages(line_no, messages)
     kwargs = {}
-    for name, kind in SAMPLING_FIELDS.items():
+    for name, kind in (SAMPLING_FIELDS | STRUCTURED_FIELDS).items():
         if name not in obj:
             continue
         value = obj[name]
@@ -72,10 +78,37 @@ def parse_line(line_no: int, text: str) -> LineRequest:
             raise LineError(line_no, name, f"has the wrong type ({type(value).__name__})")
         kwargs[name] = value
     try:
+        kwargs["structured_output"] = _structured_output(kwargs)
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = _logit_bias(kwargs["logit_bias"])
         params = SamplingParams(**kwargs)
     except InvalidParameter as exc:
         raise LineError(line_no, exc.field, str(exc).split(": ", 1)[1]) from None
     return LineRequest(line_no, request_id, prompt, token_ids, messages, params)
+
+
+def _structured_output(kwargs: dict) -> StructuredOutput | None:
+    """Pop the structured-output fields of a line into one constraint (at most one may be given)."""
+    given = [name for name in STRUCTURED_FIELDS if name in kwargs]
+    if len(given) > 1:
+        raise InvalidParameter(given[1], f"give at most one of {', '.join(STRUCTURED_FIELDS)}")
+    if not given:
+        return None
+    name = given[0]
+    value = kwargs.pop(name)
+    if name == "json_object":
+        return StructuredOutput.json_object() if value else None
+    if name == "json_schema":
+        return StructuredOutput.json_schema(value if isinstance(value, str) else json.dumps(value))
+    return StructuredOutput.choice(value) if name == "choice" else StructuredOutput(name, value)
+
+
+def _logit_bias(value: dict) -> dict[int, float]:
+    """JSON object keys are strings: "123" -> token id 123."""
+    try:
+        return {int(k): v for k, v in value.items()}
+    except ValueError:
+        raise InvalidParameter("logit_bias", "keys must be token ids (integers)") from None
 
 
 def read_requests(path: str) -> tuple[list[LineRequest], list[LineError]]:

@@ -22,6 +22,7 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
 
 def check_params(params: SamplingParams, first_token_id: int | None, vocab_size: int) -> None:
     check_token_ids(params.stop_token_ids, "stop_token_ids", vocab_size)
+    check_token_ids(list(params.logit_bias), "logit_bias", vocab_size)
     if first_token_id is not None:
         check_token_ids([first_token_id], "first_token_id", vocab_size)
 

@@ -1,10 +1,46 @@
 """What the engine tells the world about its KV: prefix-cache events, cached hashes per medium, block counts,
-and the KV tiers below its pool (built here: engine/kv_offload/)."""
+and the KV tiers below its pool (built here: engine/kv_offload/); and the blocks the disaggregated roles
+hold for a transfer (`reserve_kv`, `release_kv`)."""
 from __future__ import annotations
+
+from engine.sampling_params import InvalidParameter
 
 
 class KVViews:
     """Mixed into LLMEngine (which provides `kv`, `scheduler`, `runner`, `config` and `model_path`)."""
+
+    def reserve_kv(self, request_id: str, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
+        """Decode role: blocks for a prompt whose KV is computed elsewhere.
+
+        Locally cached prefix blocks are reused, those in a lower KV tier loaded
+        back meanwhile. Returns the block table and how many of its leading blocks
+        hold (or are loading) the right KV, or need none; only the rest need to be pulled.
+        With a sliding window the entries behind the prompt's last window are the null
+        block, counted among those leading blocks: only the last window's blocks are pulled.
+        Raises MemoryError when blocks are short (nothing held).
+        """
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self._groups or request_id in self._reserved:
+            raise InvalidParameter("request_id", f"{request_id!r} is already running")
+        self._wait_for_launched_step()  # blocks freed meanwhile may be handed out and written by a pull
+        hit = self.kv.find_prefix(request_id, prompt_token_ids, cache_salt)
+        if self.kv.allocate_slots(request_id, 0, len(prompt_token_ids) - hit.num_tokens, hit,
+                                  first_query=len(prompt_token_ids)) is None:
+            raise MemoryError("not enough free KV blocks for this prompt")
+        start = max(len(hit.block_ids), self.kv.num_released(request_id))
+        num_loaded = self.scheduler.load_reserved(request_id, prompt_token_ids, cache_salt, start)
+        self._reserved[request_id] = (len(hit.block_ids) + num_loaded) * self.kv.block_size
+        return list(self.kv.block_table(request_id)), start + num_loaded
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free blocks kept for a transfer: reserved by `reserve_kv` (decode role,
+        the KV never arrived) or kept after a `prefill_only` request's first token."""
+        if self._reserved.pop(request_id, None) is None and request_id not in self._handed_off:
+            return False
+        self._handed_off.discard(request_id)
+        if not self.scheduler.drop_load(request_id):  # else freed when the lower tier's load ends
+            self.kv.free(request_id)
+        return True
 
     def _start_kv_tiers(self) -> None:
         """Put the configured host/disk tiers behind the pool (a disk tier found again announces its blocks)."""

@@ -30,15 +30,19 @@ from engine.model_files import resolve_model_path
 from engine.outputs import CompletionCollector, RequestOutput, SampleDelta
 from engine.parallel.executor import build_runner
 from engine.request import FinishReason, Request
-from engine.sample_state import SampleState, stop_reason
+from engine.sample_state import SampleState, grammar_verdict, sample_context, stop_reason
 from engine.sampler import SampledToken, Sampler, SampleRow, SpecRow
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import Proposer
 from engine.spec_decode.scheduling import make_proposer, propose
+from engine.structured_output.backend import GrammarBackend
+from engine.structured_output.step_masks import StepMasks
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+GRAMMAR_TIMEOUT_S = 30.0
+"""Longest an engine waits for a constraint to compile (a worker compiles it first, within its own limit)."""
 
 
 class LLMEngine(KVViews):
@@ -61,6 +65,9 @@ class LLMEngine(KVViews):
         self.max_model_len = min(wanted_len, capacity)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.seed, self.runner.device)
+        self.grammars = GrammarBackend(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
+        """Structured outputs: compiles constraints off the step (a worker compiles before adding the request)."""
+        self.step_masks = StepMasks(self.grammars)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -89,6 +96,8 @@ class LLMEngine(KVViews):
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks and the KV tiers' I/O. The engine cannot step afterwards."""
         self._stop_kv_tiers()
+        self.step_masks.shutdown()
+        self.grammars.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = self.runner.peers = None
@@ -145,7 +154,8 @@ class LLMEngine(KVViews):
             if sample.generator is not None and not params.greedy:
                 self.sampler.skip_draw(sample.generator, self.model_config.vocab_size)  # drawn there
             stop_string = sample.detokenizer.add_token(token_id)
-            reason = stop_reason(request, token_id, stop_string, self.eos_token_ids, self.max_model_len)
+            reason = grammar_verdict(sample, token_id) or stop_reason(request, token_id, stop_string,
+                                                                       self.eos_token_ids, self.max_model_len)
             if reason is not None:  # it already ended the request: report at the next step
                 self.scheduler.finish(request, reason)
                 self._ended_between_steps.append(sample)
@@ -154,39 +164,6 @@ class LLMEngine(KVViews):
             sample.detokenizer.take_delta(False)  # the caller already streamed that text
         if first_token_id is not None and not recompute_prompt and not request.is_finished:
             self.scheduler.hold_for_load(request)  # part of its KV may still be coming from a lower tier
-
-    def reserve_kv(self, request_id: str, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
-        """Decode role: blocks for a prompt whose KV is computed elsewhere.
-
-        Locally cached prefix blocks are reused, those in a lower KV tier loaded
-        back meanwhile. Returns the block table and how many of its leading blocks
-        hold (or are loading) the right KV, or need none; only the rest need to be pulled.
-        With a sliding window the entries behind the prompt's last window are the null
-        block, counted among those leading blocks: only the last window's blocks are pulled.
-        Raises MemoryError when blocks are short (nothing held).
-        """
-        self.validate_prompt(prompt_token_ids)
-        if request_id in self._groups or request_id in self._reserved:
-            raise InvalidParameter("request_id", f"{request_id!r} is already running")
-        self._wait_for_launched_step()  # blocks freed meanwhile may be handed out and written by a pull
-        hit = self.kv.find_prefix(request_id, prompt_token_ids, cache_salt)
-        if self.kv.allocate_slots(request_id, 0, len(prompt_token_ids) - hit.num_tokens, hit,
-                                  first_query=len(prompt_token_ids)) is None:
-            raise MemoryError("not enough free KV blocks for this prompt")
-        start = max(len(hit.block_ids), self.kv.num_released(request_id))
-        num_loaded = self.scheduler.load_reserved(request_id, prompt_token_ids, cache_salt, start)
-        self._reserved[request_id] = (len(hit.block_ids) + num_loaded) * self.kv.block_size
-        return list(self.kv.block_table(request_id)), start + num_loaded
-
-    def release_kv(self, request_id: str) -> bool:
-        """Free blocks kept for a transfer: reserved by `reserve_kv` (decode role,
-        the KV never arrived) or kept after a `prefill_only` request's first token."""
-        if self._reserved.pop(request_id, None) is None and request_id not in self._handed_off:
-            return False
-        self._handed_off.discard(request_id)
-        if not self.scheduler.drop_load(request_id):  # else freed when the lower tier's load ends
-            self.kv.free(request_id)
-        return True
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
@@ -223,12 +200,14 @@ class LLMEngine(KVViews):
         while the GPU computes. Without it (CPU) a call launches, collects and
         reports one step.
         """
-        if self.overlap:
+        if self.overlap and not any(s.grammar is not None for s in self._samples.values()):
             owners = self._collect()
             self._launch()
-        else:
+        else:  # a grammar's mask needs the previous step's token: no overlap while a sample has one
+            owners = self._collect()  # a step launched in overlap mode before such a sample came
             self._launch()
-            owners = self._collect()
+            seen = {id(s) for s in owners}
+            owners += [s for s in self._collect() if id(s) not in seen]
         return [self._delta(s.make_text()) for s in owners] + self._drain_ended()
 
     def finish_launched_step(self) -> list[SampleDelta]:
@@ -244,6 +223,13 @@ class LLMEngine(KVViews):
         if not out.scheduled:
             return
         sampling = [item for item in out.scheduled if item.samples]  # before finish_step advances them
+        jobs, job_of = [], {}
+        for item in sampling:
+            grammar = self._samples[item.request.request_id].grammar
+            if grammar is not None:
+                job_of[item.request.request_id] = len(jobs)
+                jobs.append((grammar, item.spec_token_ids))
+        masks = self.step_masks.start(jobs)  # filled while the model runs
         logits = self.runner.execute(out, self.kv)
         self.scheduler.finish_step(out)
         self.num_steps += 1
@@ -251,36 +237,41 @@ class LLMEngine(KVViews):
         row = 0
         for item in sampling:
             request = item.request
+            job = job_of.get(request.request_id)
             if item.spec_token_ids:
                 sample = self._samples[request.request_id]
                 spec_rows.append(SpecRow(row, request.params, sample.generator, item.spec_token_ids))
                 spec_owners.append(sample)
+                if job is not None:
+                    masks.attach(job, spec_rows[-1])
                 row += 1 + len(item.spec_token_ids)
                 continue
             suppress = self._suppressed(request)
             family = [self._samples[request.request_id]]
             family += [self._fork(request, i) for i in range(1, request.pending_forks + 1)]
             request.pending_forks = 0
-            for sample in family:
-                rows.append(SampleRow(row, sample.request.params, sample.generator, suppress))
+            for sample in family:  # forks' matchers are fresh, like the parent's: its bitmask row fits them
+                rows.append(SampleRow(row, sample.request.params, sample.generator, suppress, sample.context,
+                                      None if job is None else masks.first_row(job)))
                 owners.append(sample)
             row += 1
-        self._inflight = (logits, rows, owners, spec_rows, spec_owners)
+        self._inflight = (logits, rows, owners, spec_rows, spec_owners, masks)
 
     def _collect(self) -> list[SampleState]:
         """Sample the launched step (waiting for the model) and accept each token; the samples that took one."""
         if self._inflight is None:
             return []
-        logits, rows, owners, spec_rows, spec_owners = self._inflight
+        logits, rows, owners, spec_rows, spec_owners, masks = self._inflight
         self._inflight = None
-        tokens = self.sampler.sample(logits, rows)
+        bitmask = masks.wait() if masks is not None else None
+        tokens = self.sampler.sample(logits, rows, bitmask)
         accepted = []
         for sample, token in zip(owners, tokens, strict=True):
             if not sample.request.is_finished:  # not aborted while the step ran
                 self._accept(sample, token)
                 accepted.append(sample)
         if spec_rows:
-            verified = self.sampler.verify(logits, spec_rows)
+            verified = self.sampler.verify(logits, spec_rows, bitmask)
             for sample, spec_row, emitted in zip(spec_owners, spec_rows, verified, strict=True):
                 if sample.request.is_finished:
                     continue
@@ -303,11 +294,14 @@ class LLMEngine(KVViews):
 
     # ---- helpers -------------------------------------------------------
     def _track(self, request: Request, seed: int | None) -> SampleState:
+        spec = request.params.structured_output
+        grammar = self.grammars.matcher(spec, GRAMMAR_TIMEOUT_S) if spec is not None else None
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         sample = SampleState(request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                         request.params.stop), generator)
+                                                         request.params.stop), generator,
+                             grammar=grammar, context=sample_context(request, self.tokenizer))
         self._samples[request.request_id] = sample
         return sample
 
@@ -341,8 +335,8 @@ class LLMEngine(KVViews):
             stop_string = sample.detokenizer.add_token(token.token_id)
         else:
             sample.undetokenized.append(token.token_id)
-        reason = stop_reason(request, token.token_id, stop_string, self.eos_token_ids,
-                             self.max_model_len)
+        reason = grammar_verdict(sample, token.token_id) or stop_reason(request, token.token_id, stop_string,
+                                                                         self.eos_token_ids, self.max_model_len)
         if reason is not None:
             sample.flush_text = reason != FinishReason.STOP_STRING
             self.scheduler.finish(request, reason)

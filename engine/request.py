@@ -22,6 +22,8 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP_STRING = "stop_string"
     ABORT = "abort"
+    ERROR = "error"
+    """The sample's grammar forbade the token drawn (structured outputs): that sample fails, nothing else."""
 
 
 @dataclass

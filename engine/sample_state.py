@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.logits_processors import SampleContext, needs_context
 from engine.request import FinishReason, Request
+from engine.structured_output.backend import SampleGrammar
 
 
 @dataclass
@@ -20,6 +22,10 @@ class SampleState:
     """Accepted tokens whose text is not made yet (samples without stop strings)."""
     flush_text: bool = False
     """Ended for a reason other than a stop string: release held-back text with the last delta."""
+    grammar: SampleGrammar | None = None
+    """The sample's matcher when its output is constrained (structured outputs)."""
+    context: SampleContext | None = None
+    """What penalties, logit bias and bad words read (None when the request uses none)."""
 
     def make_text(self) -> SampleState:
         """Detokenize the tokens accepted since the last delta (and release held text once ended)."""
@@ -30,6 +36,34 @@ class SampleState:
             self.detokenizer.flush()
             self.flush_text = False
         return self
+
+
+def sample_context(request: Request, tokenizer) -> SampleContext | None:
+    """The request's tokens (live lists) and bad words as token ids, for the logits edits that read them."""
+    if not needs_context(request.params):
+        return None
+    return SampleContext(request.prompt_token_ids, request.output_token_ids,
+                         bad_words_token_ids(tokenizer, request.params.bad_words))
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's reading of bad words: each word as written and, when it tokenizes to as many tokens with
+    another first token, with one leading space (the word in mid-text)."""
+    result = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip())
+        spaced = tokenizer.encode(" " + word.lstrip())
+        result += [plain] + ([spaced] if len(spaced) == len(plain) and spaced[:1] != plain[:1] else [])
+    return [ids for ids in result if ids]
+
+
+def grammar_verdict(sample: SampleState, token_id: int) -> FinishReason | None:
+    """Advance the sample's grammar by an accepted token: ERROR when it forbids it, STOP when it is complete."""
+    if sample.grammar is None:
+        return None
+    if not sample.grammar.accept(token_id):
+        return FinishReason.ERROR
+    return FinishReason.STOP if sample.grammar.finished else None
 
 
 def stop_reason(request: Request, token_id: int, stop_string: str | None, eos_token_ids,

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import logits_processors
+from engine.logits_processors import SampleContext
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection import greedy_verify, rejection_sample
 
@@ -26,6 +28,10 @@ class SampleRow:
     generator: torch.Generator | None
     suppress_token_ids: list[int]
     """Token ids masked out (EOS/stop ids before min_tokens is reached)."""
+    context: SampleContext | None = None
+    """For penalties, logit bias and bad words (None: the request uses none of them)."""
+    bitmask_row: int | None = None
+    """The row of the step's grammar bitmask that constrains this sample (None: unconstrained)."""
 
 
 @dataclass
@@ -37,6 +43,8 @@ class SpecRow:
     params: SamplingParams
     generator: torch.Generator | None
     draft_token_ids: list[int]
+    bitmask_rows: list[int | None] | None = None
+    """Per row of logits (K + 1), the bitmask row that constrains it (None: unconstrained)."""
 
 
 @dataclass
@@ -50,17 +58,28 @@ class Sampler:
     def __init__(self, default_seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device).manual_seed(default_seed)
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow],
+               bitmask: torch.Tensor | None = None) -> list[SampledToken]:
+        """One token per row; `bitmask` holds the grammar rows the rows' `bitmask_row` point at."""
         if not rows:
             return []
         order = [r.logits_row for r in rows]
+        edited = [r.context is not None or r.bitmask_row is not None for r in rows]
         if order != list(range(logits.shape[0])):  # rows repeat (parallel samples) or skip: gather them
             logits = logits[torch.tensor(order, device=logits.device)]
-        elif any(r.suppress_token_ids for r in rows):
+        elif any(r.suppress_token_ids for r in rows) or any(edited):
             logits = logits.clone()  # masked below; the model's (inference-mode) output stays as it was
+        if any(edited):
+            logits = logits.float()  # penalties and biases in float32, as vLLM's formulas are
         for i, row in enumerate(rows):
             if row.suppress_token_ids:
                 logits[i, row.suppress_token_ids] = float("-inf")
+        masked = [i for i, r in enumerate(rows) if r.bitmask_row is not None]
+        if masked:
+            logits_processors.apply_bitmask(logits, bitmask[[rows[i].bitmask_row for i in masked]], masked)
+        with_context = [(i, r.params, r.context) for i, r in enumerate(rows) if r.context is not None]
+        if with_context:
+            logits_processors.apply(logits, with_context)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -73,13 +92,19 @@ class Sampler:
             self._add_logprobs(logits[want].float(), [rows[i] for i in want], [results[i] for i in want])
         return results
 
-    def verify(self, logits: torch.Tensor, rows: list[SpecRow]) -> list[list[int]]:
+    def verify(self, logits: torch.Tensor, rows: list[SpecRow],
+               bitmask: torch.Tensor | None = None) -> list[list[int]]:
         """For each row: the proposed tokens the target accepts plus one token of its own (exact: greedy rows
-        equal greedy decoding, random rows follow the target's distribution; see spec_decode/rejection.py)."""
+        equal greedy decoding, random rows follow the target's distribution; see spec_decode/rejection.py).
+        A grammar's bitmask rows constrain the target first: a draft token it forbids is never accepted."""
         results = []
         for row in rows:
             k = len(row.draft_token_ids)
             target = logits[row.logits_row:row.logits_row + k + 1]
+            if row.bitmask_rows is not None:
+                positions = [i for i, b in enumerate(row.bitmask_rows) if b is not None]
+                target = target.to(torch.float32, copy=True)  # the model's output stays as it was
+                logits_processors.apply_bitmask(target, bitmask[[row.bitmask_rows[i] for i in positions]], positions)
             if row.params.greedy:
                 results.append(greedy_verify(target.argmax(dim=-1).tolist(), row.draft_token_ids))
                 continue
@@ -100,6 +125,9 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
         logits = logits / temps[:, None]
+        min_ps = [r.params.min_p for r in rows]
+        if any(min_ps):
+            logits = logits_processors.apply_min_p(logits, min_ps)
         top_ks = [r.params.top_k for r in rows]
         top_ps = [r.params.top_p for r in rows]
         if any(top_ks) or any(p < 1.0 for p in top_ps):

@@ -4,6 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from engine.errors import InvalidParameter
+from engine.structured_output.spec import StructuredOutput
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -12,6 +15,9 @@ MAX_TEMPERATURE = 100.0
 """Highest temperature: far past any useful one, and logits divided by it stay finite in float32."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy, set to exactly 0 (vLLM's _SAMPLING_EPS): logits divided by them overflow."""
+MAX_LOGIT_BIAS = 1024
+"""Most logit_bias entries of one request."""
+MAX_BAD_WORDS = 64
 MAX_SEED = 2**63 - 1
 """Largest seed of any sample (seeds travel as int64; sample i of n uses seed + i)."""
 
@@ -42,6 +48,22 @@ class SamplingParams:
     """Keep generating past the model's EOS token."""
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds, in [-2, 2] (vLLM, OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Times each token's count in the output, subtracted from its logit, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Tokens seen in the prompt or output: positive logits divided by it, negative ones multiplied; 1 is off."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (after temperature); 0 is off."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> bias added to its logit, in [-100, 100]."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never generated: their last token is banned wherever the output ends with the words' other tokens."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob and this many top alternatives at its position."""
+    structured_output: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, a grammar or a choice."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,10 +90,41 @@ class SamplingParams:
                "logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED - (self.n - 1)),
                "seed", f"must be an integer in [0, {MAX_SEED}] (n samples use seed .. seed + n - 1)")
+        self._check_logits_processors()
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
         _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+
+    def _check_logits_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, name, "must be in [-2, 2]")
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               "repetition_penalty", "must be in (0, 10]")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        self.logit_bias = dict(self.logit_bias)
+        for token_id, bias in self.logit_bias.items():
+            _check(isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0, "logit_bias",
+                   f"key {token_id!r} is not a token id (an integer >= 0)")
+            _check(_is_number(bias) and -100.0 <= bias <= 100.0, "logit_bias",
+                   f"bias of token {token_id} must be a number in [-100, 100]")
+        self.bad_words = list(self.bad_words)
+        _check(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} bad words")
+        _check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
+               "bad_words", f"bad words must be non-blank strings of at most {MAX_STOP_STRING_CHARS} characters")
+        _check(self.prompt_logprobs is None
+               or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+               "structured_output", "must be a StructuredOutput")
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the three penalties is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -81,14 +134,6 @@ class SamplingParams:
         """Parameters for one of `n` parallel samples (its own seed stream)."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
-
-
-class InvalidParameter(ValueError):
-    """A request field is invalid; `field` names it."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 def _is_number(value) -> bool:

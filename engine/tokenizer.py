@@ -22,6 +22,11 @@ class Tokenizer:
         if backend is not None and not getattr(self._tok, "clean_up_tokenization_spaces", False):
             self._fast_decode = backend.decode
 
+    @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer (grammar libraries build their view of the vocabulary from it)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 

@@ -13,6 +13,7 @@ from common.protocol import params_from_proto
 from engine.model.model_config import ModelConfig
 from engine.model_files import resolve_model_path
 from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.structured_output import backend as grammar_backend
 from engine.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
@@ -124,6 +125,12 @@ class RequestBuilder:
         if params.max_tokens > room:
             raise InvalidParameter("params.max_tokens", f"{params.max_tokens} new tokens do not fit: the prompt has "
                                                         f"{len(prompt)} tokens and the context {self.max_model_len}")
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise InvalidParameter("params.stop_token_ids", f"token id {bad} is outside the vocabulary")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidParameter(f"params.{name}", f"token id {bad} is outside the vocabulary")
+        if params.structured_output is not None:
+            try:
+                grammar_backend.check(params.structured_output)
+            except InvalidParameter as exc:
+                raise InvalidParameter(f"params.{exc.field}", str(exc).split(": ", 1)[1]) from None

@@ -74,7 +74,8 @@ class RequestRunner:
         if self.draining:
             raise self._failed(grpc.StatusCode.UNAVAILABLE, "the router is draining")
         try:
-            if msg.WhichOneof("input") in ("text", "chat"):  # tokenizing: off the event loop
+            if msg.WhichOneof("input") in ("text", "chat") or msg.params.WhichOneof("structured_output"):
+                # tokenizing, checking a grammar: off the event loop
                 prepared = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize, self.builder.build, msg, max_tokens_to_context, tenant)
             else:

@@ -39,6 +39,10 @@ class WorkerConfig:
     max_num_requests: int = field(default=1024, metadata={
         "help": "requests a worker holds at once; more get RESOURCE_EXHAUSTED"})
     """Requests a worker accepts at once (queued + running + transfers); more get RESOURCE_EXHAUSTED."""
+    grammar_timeout_s: float = field(default=10.0, metadata={
+        "help": "structured outputs: longest a request's schema, regex or grammar may take to compile "
+                "(longer: INVALID_ARGUMENT)"})
+    """Structured outputs: a constraint compiling longer than this fails its request INVALID_ARGUMENT."""
     num_threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
     """torch intra-op threads; 0 keeps torch's default."""
     drain_timeout_s: float = field(default=30.0, metadata={
@@ -78,7 +82,7 @@ class WorkerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
-        for name in ("lease_s", "pull_timeout_s", "drain_timeout_s", "registry_ttl_s"):
+        for name in ("lease_s", "pull_timeout_s", "drain_timeout_s", "registry_ttl_s", "grammar_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.pull_timeout_s >= self.lease_s:

@@ -6,6 +6,8 @@ cancel, deadline) aborts the request.
 """
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from common.protocol import generate_pb2, params_from_proto, worker_pb2, worker_pb2_grpc
@@ -76,9 +78,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def params(self, msg, context):
         """The call's sampling parameters, or the call aborted with INVALID_ARGUMENT naming the field."""
         try:
-            return params_from_proto(msg)
+            params = params_from_proto(msg)
+            if params.structured_output is not None:  # compiled before the engine thread sees the request
+                await self._compile(params.structured_output)
+            return params
         except InvalidParameter as exc:
             await abort_with(context, exc)
+
+    async def _compile(self, spec) -> None:
+        """Wait for a constraint to compile (on the engine's compile thread, cached), within the time limit."""
+        future = self.loop.engine.grammars.compile_future(spec)
+        timeout_s = self.config.grammar_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
+        except TimeoutError:
+            raise InvalidParameter(spec.field, f"compiling took longer than {timeout_s:g}s") from None
 
 
 class _Admission:

@@ -21,7 +21,8 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, max_model_len
 
 def propose(proposer: Proposer, running: list[Request], k_max: int, max_model_len: int) -> None:
     """Set `spec_token_ids` of every running request: the proposer's tokens for those decoding one token
-    (no forks pending, no logprobs, past min_tokens), [] for the rest. K + 1 tokens may be emitted, so K
+    (no forks pending, no logprobs, past min_tokens, no penalties, biases, bad words or min_p, which the
+    verification does not apply), [] for the rest. K + 1 tokens may be emitted, so K
     stays within max_tokens and the context."""
     requests, limits = [], []
     for request in running:
@@ -29,7 +30,8 @@ def propose(proposer: Proposer, running: list[Request], k_max: int, max_model_le
         params = request.params
         if (request.num_tokens - request.num_computed_tokens != 1 or request.pending_forks
                 or request.prefill_only or params.logprobs is not None
-                or request.num_output_tokens < params.min_tokens):
+                or request.num_output_tokens < params.min_tokens
+                or params.penalized or params.logit_bias or params.bad_words or params.min_p):
             continue
         k = min(k_max, params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
         if k >= 1:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from common.client import SampleResult
 from common.protocol import finish_reason_name, generate_pb2, logprobs_from_chunk, usage_from_proto
 
-FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "abort": "abort"}
+FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "abort": "abort", "error": "error"}
 
 
 def usage_body(usages: list[dict]) -> dict:
