@@ -35,9 +35,9 @@ class Tokenizer:
             return self._fast_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat, ending with the assistant's generation prompt."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat, ending with the assistant's generation prompt (`tools`: the template's)."""
         if not self._tok.chat_template:
             raise ValueError("messages: this model has no chat template")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self.encode(text)

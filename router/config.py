@@ -9,6 +9,7 @@ from common.cluster_auth.tls import InternalTLSConfig
 from common.config_flags import comma_list
 from router.front_security import FrontSecurityConfig
 from router.openai.http_limits import HttpLimits
+from router.openai.tool_parsers import TOOL_CALL_PARSERS
 from router.routing_policy import POLICIES as ROUTING_POLICIES
 from router.routing_policy import RoutingWeights
 
@@ -96,6 +97,11 @@ class RouterConfig:
         "help": "longest prompt text tokenized (default: max model len x 16 characters)"})
     """Longest prompt text (chat: all contents together) tokenized; longer gets INVALID_ARGUMENT
     before any tokenizing. Default: max_model_len * PROMPT_CHARS_PER_TOKEN."""
+    tool_call_parser: str | None = field(default=None, metadata={
+        "choices": TOOL_CALL_PARSERS,
+        "help": 'OpenAI front: read tool calls out of the model\'s text for tool_choice "auto" (the chat '
+                "template's family: hermes for Hermes/Qwen, llama3_json, mistral)"})
+    """How tool calls are read from output under tool_choice "auto" (router/openai/tool_parsers.py)."""
     max_request_bytes: int = field(default=4 << 20, metadata={
         "help": "largest gRPC request message / HTTP request body the router reads"})
     """Largest gRPC request message and HTTP request body the router reads."""

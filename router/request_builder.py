@@ -85,7 +85,8 @@ class RequestBuilder:
             raise InvalidParameter("input", f"the prompt has {len(msg.tokens.ids)} tokens; the context holds "
                                             f"{self.max_model_len} (prompt plus at least one new token)")
         if kind == "chat":
-            chars = sum(len(m.content) + len(m.role) for m in msg.chat.messages)
+            chars = len(msg.chat.tools_json) + sum(len(m.content) + len(m.role) + len(m.tool_calls_json)
+                                                   for m in msg.chat.messages)
             if chars > self.max_prompt_chars:
                 raise InvalidParameter("chat.messages", f"{chars} characters; at most {self.max_prompt_chars}")
 
@@ -105,14 +106,18 @@ class RequestBuilder:
             if bad is not None:
                 raise InvalidParameter("tokens.ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
             return ids
-        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        messages = [chat_message(m) for m in msg.chat.messages]
         if not messages:
             raise InvalidParameter("chat.messages", "no messages")
         for i, m in enumerate(messages):
             if not m["role"]:
                 raise InvalidParameter(f"chat.messages[{i}].role", "empty")
         try:
-            return self.tokenizer.apply_chat_template(messages)
+            tools = json.loads(msg.chat.tools_json) if msg.chat.tools_json else None
+        except ValueError:
+            raise InvalidParameter("chat.tools_json", "is not valid JSON") from None
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools)
         except Exception as exc:  # a template may raise on roles it does not know
             raise InvalidParameter("chat.messages", f"the chat template refused them: {exc}") from None
 
@@ -134,3 +139,16 @@ class RequestBuilder:
                 grammar_backend.check(params.structured_output)
             except InvalidParameter as exc:
                 raise InvalidParameter(f"params.{exc.field}", str(exc).split(": ", 1)[1]) from None
+
+
+def chat_message(m) -> dict:
+    """A ChatMessage as the chat template takes it (tool calls and tool results included when present)."""
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        try:
+            message["tool_calls"] = json.loads(m.tool_calls_json)
+        except ValueError:
+            raise InvalidParameter("chat.messages.tool_calls_json", "is not valid JSON") from None
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message

@@ -110,7 +110,8 @@ class RouterServer:
         self.address = f"{config.host}:{port}"
         await self._server.start()
         if config.http_port is not None:
-            self._http = HttpServer(create_app(self.runner, config.model, config.max_request_bytes, self.keys),
+            self._http = HttpServer(create_app(self.runner, config.model, config.max_request_bytes, self.keys,
+                                               config.tool_call_parser),
                                     config.host, config.http_port, config.security.tls_cert_file,
                                     config.security.tls_key_file, config.http_limits)
             self.http_port = await self._http.start()

@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes, on the same RequestRunner as the gRPC front.
 
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events
-ending in `data: [DONE]` with "stream": true), GET /v1/models, GET /health.
+ending in `data: [DONE]` with "stream": true), GET /v1/models, GET /health, and
+vLLM's POST /v1/tokenize and /v1/detokenize (also at /tokenize, /detokenize).
 With API keys configured every route but /health needs `Authorization: Bearer KEY`
 (router/openai/auth.py); the key's tenant salts the request's prefix-cache blocks.
 A streamed response's status and headers wait for the first token, so a request
@@ -20,12 +21,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.client import collect_samples
+from common.protocol import generate_pb2
 from engine.sampling_params import InvalidParameter
 from router.auth import ApiKeys
 from router.openai import errors
 from router.openai.auth import ApiKeyAuth, tenant_of
-from router.openai.protocol import ChatCompletionRequest, CompletionRequest
-from router.openai.responses import ChatCompletions, Completions, SseStream, sse
+from router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    message_text,
+)
+from router.openai.responses import ChatCompletions, Completions, SseStream, ToolChatCompletions, sse
 from router.requests import RequestFailed, RequestRunner
 
 CLIENT_CLOSED_REQUEST = 499
@@ -36,7 +44,7 @@ class ClientDisconnected(Exception):
 
 
 def create_app(runner: RequestRunner, model_name: str, max_body_bytes: int = 4 << 20,
-               keys: ApiKeys | None = None) -> FastAPI:
+               keys: ApiKeys | None = None, tool_call_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(ApiKeyAuth, keys=keys or ApiKeys(env={}))  # the outer one: no body read before a key
@@ -60,15 +68,51 @@ def create_app(runner: RequestRunner, model_name: str, max_body_bytes: int = 4 <
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "pdserve", "max_model_len": runner.builder.max_model_len}]}
 
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        try:
+            if body.model is not None and body.model != model_name:
+                return errors.model_not_found(body.model)
+            msg = generate_pb2.GenerateRequest()
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidParameter("prompt", "give one of prompt or messages")
+            if body.prompt is not None:
+                msg.text = body.prompt
+            else:
+                msg.chat.messages.extend(generate_pb2.ChatMessage(role=m.role, content=message_text(m.content))
+                                         for m in body.messages)
+            builder = runner.builder
+            builder.check_size(msg)
+            ids = await asyncio.get_running_loop().run_in_executor(None, builder.prompt_token_ids, msg)
+        except InvalidParameter as exc:
+            return errors.invalid(exc.field.replace("text", "prompt").replace("chat.", ""), str(exc))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": runner.builder.max_model_len})
+
+    @app.post("/v1/detokenize")
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        if body.model is not None and body.model != model_name:
+            return errors.model_not_found(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < runner.builder.vocab_size), None)
+        if bad is not None:
+            return errors.invalid("tokens", f"tokens: token id {bad} is outside the vocabulary")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate(body, request, Completions(f"cmpl-{uuid.uuid4().hex}", model_name, token_text))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        return await generate(body, request, request_id, lambda mode: Completions(request_id, model_name, token_text))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate(body, request, ChatCompletions(f"chatcmpl-{uuid.uuid4().hex}", model_name, token_text))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return await generate(body, request, request_id, lambda mode: (
+            ToolChatCompletions(request_id, model_name, token_text, mode) if mode
+            else ChatCompletions(request_id, model_name, token_text)))
 
-    async def generate(body, request: Request, api) -> Response:
+    async def generate(body, request: Request, request_id: str, make_api) -> Response:
+        """`make_api(tool_mode)`: the response shapes, once the body's tool mode is known."""
         try:
             body.check_text()  # first: even the model-not-found error would echo an unencodable model name
         except InvalidParameter as exc:
@@ -76,9 +120,10 @@ def create_app(runner: RequestRunner, model_name: str, max_body_bytes: int = 4 <
         if body.model is not None and body.model != model_name:
             return errors.model_not_found(body.model)
         try:
-            msg = body.to_generate_request(api.request_id)
+            msg = body.to_generate_request(request_id, tool_call_parser)
         except InvalidParameter as exc:
             return errors.invalid(exc.field, str(exc))
+        api = make_api(getattr(body, "tool_mode", None))
         want_logprobs = msg.params.HasField("logprobs")
         responses = runner.generate(msg, max_tokens_to_context=body.default_max_tokens is None,
                                     tenant=tenant_of(request.scope))

@@ -8,22 +8,35 @@ implement are accepted only at their neutral value.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from common.protocol import generate_pb2
 from engine.sampling_params import InvalidParameter, SamplingParams
+from router.openai.structured import (
+    JsonSchemaFormat,
+    ResponseFormat,
+    StructuredFields,
+    StructuredOutputs,
+    set_constraint,
+)
+from router.openai.tools import (
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    ToolDef,
+    ToolMode,
+    constraint_schema,
+    tool_mode,
+)
 
 Int32 = Annotated[int, Field(ge=-2 ** 31, le=2 ** 31 - 1)]
 Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]
 
 # Parameters without an implementation here, and the values that mean "off".
-NEUTRAL_VALUES = {
-    "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
-    "logit_bias": (None, {}), "echo": (False, None), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
-}
+NEUTRAL_VALUES = {"echo": (False, None), "suffix": (None, ""), "best_of": (None, 1)}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "n")
 
 
@@ -31,9 +44,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationBody(BaseModel):
+class _GenerationBody(StructuredFields):
     """Fields common to /v1/completions and /v1/chat/completions."""
     model_config = ConfigDict(extra="allow")
+    _constraint_param: str | None = PrivateAttr(default=None)
 
     model: str | None = None
     n: Int32 | None = None
@@ -57,7 +71,7 @@ class _GenerationBody(BaseModel):
         if path is not None:
             raise InvalidParameter(path, "text that cannot be encoded as UTF-8 (a lone surrogate)")
 
-    def to_generate_request(self, request_id: str) -> generate_pb2.GenerateRequest:
+    def to_generate_request(self, request_id: str, tool_call_parser: str | None = None) -> generate_pb2.GenerateRequest:
         """The GenerateRequest the gRPC front would receive; raises InvalidParameter (OpenAI names)."""
         for name, value in (self.model_extra or {}).items():
             if name in NEUTRAL_VALUES and value not in NEUTRAL_VALUES[name]:
@@ -72,6 +86,8 @@ class _GenerationBody(BaseModel):
             params.max_tokens = self.requested_max_tokens
         if self.num_logprobs is not None:
             params.logprobs = self.num_logprobs
+        self._constraint_param = self.set_sampling_edits(params)
+        self.set_tool_constraint(params, tool_call_parser)
         msg = generate_pb2.GenerateRequest(request_id=request_id, params=params, cache_salt=self.cache_salt or "")
         self.set_input(msg)
         return msg
@@ -97,6 +113,9 @@ class CompletionRequest(_GenerationBody):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def set_tool_constraint(self, params: generate_pb2.SamplingParams, tool_call_parser: str | None) -> None:
+        """Completions have no tools."""
+
     def set_input(self, msg: generate_pb2.GenerateRequest) -> None:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -111,7 +130,12 @@ class CompletionRequest(_GenerationBody):
     def openai_param(self, field: str) -> str:
         if field in ("input", "text", "tokens.ids"):
             return "prompt"
-        return _common_param(field)
+        return self.common_param(field)
+
+    def common_param(self, field: str) -> str:
+        if field.startswith("params.structured_output") and self._constraint_param:
+            return self._constraint_param
+        return field.removeprefix("params.")
 
 
 class TextPart(BaseModel):
@@ -124,6 +148,8 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_GenerationBody):
@@ -134,6 +160,9 @@ class ChatCompletionRequest(_GenerationBody):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    _tool_mode: ToolMode | None = PrivateAttr(default=None)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -146,8 +175,27 @@ class ChatCompletionRequest(_GenerationBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def set_input(self, msg: generate_pb2.GenerateRequest) -> None:
-        msg.chat.messages.extend(generate_pb2.ChatMessage(role=m.role, content=_text(m.content))
-                                 for m in self.messages)
+        msg.chat.messages.extend(generate_pb2.ChatMessage(
+            role=m.role, content=message_text(m.content), tool_call_id=m.tool_call_id or "",
+            tool_calls_json=json.dumps(m.tool_calls) if m.tool_calls else "") for m in self.messages)
+        if self.tools:
+            msg.chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in self.tools])
+
+    def set_tool_constraint(self, params: generate_pb2.SamplingParams, tool_call_parser: str | None) -> None:
+        """The tool mode of the request, and the constraint `required` or a named function puts on the output."""
+        self._tool_mode = tool_mode(self.tools, self.tool_choice, tool_call_parser)
+        schema = constraint_schema(self._tool_mode, self.tools) if self._tool_mode else None
+        if schema is None:
+            return
+        if self._constraint_param is not None:
+            raise InvalidParameter("tool_choice", f"a required or named tool choice cannot be combined with "
+                                                  f"{self._constraint_param}")
+        set_constraint(params, "json_schema", schema)
+        self._constraint_param = "tool_choice"
+
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        return self._tool_mode
 
     def openai_param(self, field: str) -> str:
         if field in ("input", "chat.messages") or field.startswith("chat.messages["):
@@ -156,10 +204,10 @@ class ChatCompletionRequest(_GenerationBody):
             return "max_completion_tokens"
         if field == "params.logprobs":
             return "top_logprobs"
-        return _common_param(field)
+        return self.common_param(field)
 
 
-def _text(content: str | list[TextPart] | None) -> str:
+def message_text(content: str | list[TextPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.text for part in content)
@@ -193,10 +241,21 @@ def _escaped(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode()
 
 
-def _common_param(field: str) -> str:
-    return field.removeprefix("params.")
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[Int64]
 
 
 # Names a validation error's location may use (the rest are pydantic's union member tags).
 BODY_FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
-                                           StreamOptions) for name in model.model_fields)
+                                           StreamOptions, ResponseFormat, JsonSchemaFormat, StructuredOutputs,
+                                           ToolDef, FunctionDef, NamedToolChoice, NamedFunction,
+                                           TokenizeRequest, DetokenizeRequest)
+                        for name in model.model_fields) | {"schema", "json"}

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable
 
 from common.client import SampleResult
 from common.protocol import finish_reason_name, generate_pb2, logprobs_from_chunk, usage_from_proto
+from router.openai.tool_parsers import make_parser
+from router.openai.tools import ToolMode, tool_call_body
 
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "abort": "abort", "error": "error"}
 
@@ -141,3 +144,66 @@ class SseStream:
         if self.include_usage:
             body["usage"] = None
         return sse(body)
+
+
+class ToolChatCompletions(ChatCompletions):
+    """Chat completions whose output may be tool calls (router/openai/tools.py): `message.tool_calls`, and
+    in a stream `delta.tool_calls` as the openai client assembles them (a named function's arguments
+    streamed as they come; `required` and parsed calls whole when the sample ends, content before them
+    streamed)."""
+
+    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str], mode: ToolMode) -> None:
+        super().__init__(request_id, model, token_text)
+        self.mode = mode
+        self._text: dict[int, str] = {}
+        self._sent: dict[int, int] = {}
+        """auto: characters of content streamed so far, per sample."""
+
+    def choice(self, s: SampleResult, want_logprobs: bool) -> dict:
+        body = super().choice(s, want_logprobs)
+        content, calls = self.mode.calls(s.text)
+        body["message"] = {"role": "assistant", "content": content, "tool_calls": [tool_call_body(c) for c in calls]}
+        body["finish_reason"] = self._finish_reason(body["finish_reason"], calls)
+        return body
+
+    def chunk_choice(self, index: int, text: str, logprobs: list[dict] | None, finish_reason: str | None,
+                     first: bool) -> dict:
+        delta = {"role": "assistant"} if first else {}
+        if self.mode.kind == "named":
+            call = {"index": 0, "function": {"arguments": text}}
+            if first:
+                call.update(id=f"call_{uuid.uuid4().hex[:24]}", type="function")
+                call["function"]["name"] = self.mode.function
+            if first or text:
+                delta["tool_calls"] = [call]
+        else:
+            whole = self._text[index] = self._text.get(index, "") + text
+            calls = self._stream_content(index, whole, delta, finish_reason is not None)
+            if calls:
+                delta["tool_calls"] = [tool_call_body(c, i) for i, c in enumerate(calls)]
+            if finish_reason is not None:
+                finish_reason = self._finish_reason(finish_reason, calls)
+        return {"index": index, "delta": delta, "logprobs": None if logprobs is None else self.logprobs(logprobs),
+                "finish_reason": finish_reason}
+
+    def _stream_content(self, index: int, whole: str, delta: dict, ended: bool) -> list:
+        """Put the content that is safe to stream into `delta`; at the end, the calls (if any)."""
+        sent = self._sent.get(index, 0)
+        calls = []
+        if ended:
+            content, calls = self.mode.calls(whole)
+            upto = len(content or "") if calls else len(whole)
+            upto = max(upto, sent)
+        elif self.mode.kind == "required":
+            upto = sent
+        else:
+            parser = make_parser(self.mode.parser)
+            start = parser.marker_at(whole)
+            upto = start if start is not None else len(whole) - parser.held_back(whole)
+        if upto > sent:
+            delta["content"] = whole[sent:upto]
+            self._sent[index] = upto
+        return calls
+
+    def _finish_reason(self, reason: str, calls: list) -> str:
+        return "tool_calls" if calls and reason == "stop" and self.mode.kind != "named" else reason
