@@ -13,7 +13,9 @@ import grpc
 import pytest
 
 from common.client import build_request
+from common.protocol import generate_pb2
 from engine.sampling_params import SamplingParams
+from engine.structured_output.spec import StructuredOutput
 from tests.cluster.harness import assert_no_leaks, generation_stub, metric_value, worker_stats
 
 pytestmark = pytest.mark.usefixtures("workers_restored")
@@ -23,6 +25,17 @@ DRAINED_TOKENS = 64  # ~60 decode steps left at the SIGTERM: well past the 1 s d
 PROMPTS = [f"Write a short poem about the number {i} and the sea." for i in range(16)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=MAX_TOKENS, ignore_eos=True)
+ORDER = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+    "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}, "quantity": {"type": "integer", "minimum": 1,
+                                                                               "maximum": 9}},
+        "required": ["sku", "quantity"], "additionalProperties": False}}},
+    "required": ["id", "items"], "additionalProperties": False}
+CONSTRAINED = [SamplingParams(temperature=0.0, max_tokens=120, structured_output=StructuredOutput.json_schema(ORDER)),
+               SamplingParams(temperature=0.9, seed=77, max_tokens=120,
+                              structured_output=StructuredOutput.json_schema(ORDER))]
+"""Structured outputs across a migration: the new worker's fresh matcher replays the streamed tokens."""
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +132,13 @@ def test_seeded_sampling_continues_exactly_across_a_migration(cluster, offline_g
     assert moved.tokens == reference.tokens  # the resumed sampler skipped exactly the draws already made
     assert moved.complete.usage.completion_tokens == MAX_TOKENS and moved.complete.usage.prompt_tokens == len(prompt)
     assert moved.complete.finish_reason == reference.complete.finish_reason
+    constrained = Stream(cluster["router"], prompt, CONSTRAINED[1])
+    constrained.join()
+    before = migrations(cluster, "stream_timeout")
+    moved = Stream(cluster["router"], prompt, CONSTRAINED[1])
+    stopped_until_migrated(cluster, [moved], before)
+    assert moved.code is None and moved.tokens == constrained.tokens
+    assert moved.complete.finish_reason == constrained.complete.finish_reason == generate_pb2.FINISH_REASON_STOP
     assert_no_leaks([*cluster["prefill"], *cluster["decode"]], secret_file=cluster["secret"])
 
 
@@ -148,12 +168,16 @@ def test_max_migrations_0_fails_the_sample_unavailable(cluster, offline_greedy):
     assert_no_leaks([*cluster["prefill"], *cluster["decode"]], secret_file=cluster["secret"])
 
 
-def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine(cluster, offline_greedy):
-    """Kills a decode worker under 32 concurrent greedy streams (each prompt twice)."""
+def test_killed_decode_worker_every_stream_completes_equal_to_the_offline_engine(cluster, offline_engine,
+                                                                                offline_greedy):
+    """Kills a decode worker under 32 concurrent greedy streams (each prompt twice) and 2 constrained ones
+    (greedy and seeded, JSON schema): the constrained ones equal the offline engine too."""
     prompts, expected = offline_greedy
-    prompts, expected = prompts * 2, expected * 2
+    constrained = offline_engine.generate(prompts[:2], CONSTRAINED)
+    params = [GREEDY] * len(prompts) * 2 + CONSTRAINED
+    prompts, expected = prompts * 2 + prompts[:2], expected * 2 + [o.completions[0].token_ids for o in constrained]
     before = migrations(cluster, "worker_lost")
-    streams = [Stream(cluster["router"], p, GREEDY) for p in prompts]
+    streams = [Stream(cluster["router"], p, sp) for p, sp in zip(prompts, params, strict=True)]
     for s in streams:
         assert s.started.wait(120) and s.code is None, s.code
     victim, held = busiest_decode(cluster)

@@ -131,3 +131,18 @@ def generate_routed(router: Proc, token_ids: list[int], max_tokens: int = 4, req
     return {"prefill": meta["pdserve-prefill-worker"], "decode": meta["pdserve-decode-worker"],
             "cached": messages[-1].complete.usage.cached_tokens,
             "tokens": [t for m in messages if m.HasField("chunk") for t in m.chunk.token_ids]}
+
+
+def grpc_samples(address: str, params, **prompt) -> list:
+    """One Generate call over gRPC (build_request's prompt keywords); its samples."""
+    import asyncio
+
+    from common.client import build_request, generate_one
+    from common.grpc_common import insecure_channel
+    from common.protocol import generate_pb2_grpc
+
+    async def run():
+        async with insecure_channel(address) as channel:
+            return await generate_one(generate_pb2_grpc.GenerationStub(channel),
+                                      build_request("grpc-ref", params, **prompt), timeout=120)
+    return asyncio.run(run())

@@ -6,7 +6,6 @@ aborts its request on every worker.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import time
@@ -17,11 +16,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from common.client import build_request, generate_one
-from common.grpc_common import insecure_channel
-from common.protocol import generate_pb2_grpc
 from engine.sampling_params import SamplingParams
-from tests.cluster.harness import assert_no_leaks, free_port, start_router, start_worker
+from tests.cluster.harness import assert_no_leaks, free_port, grpc_samples, start_router, start_worker
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TEXT = "The quick brown fox"
@@ -34,14 +30,6 @@ def client(router, timeout: float = 120) -> openai.OpenAI:
 
 def one_worker_pair(workers) -> list:
     return workers["prefill"][:1] + workers["decode"][:1]
-
-
-def grpc_samples(address: str, params: SamplingParams, **prompt) -> list:
-    async def run():
-        async with insecure_channel(address) as channel:
-            return await generate_one(generate_pb2_grpc.GenerationStub(channel),
-                                      build_request("grpc-ref", params, **prompt), timeout=120)
-    return asyncio.run(run())
 
 
 def post(url: str, body: dict) -> tuple[int, dict, dict]:

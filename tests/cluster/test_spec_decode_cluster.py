@@ -1,5 +1,6 @@
 """Speculative decoding in the cluster: a decode worker started with `--speculative-method ngram`
-continues KV it pulled from a plain prefill worker, verifying proposals; greedy outputs over gRPC
+continues KV it pulled from a plain prefill worker, verifying proposals; greedy outputs (free and
+constrained by a JSON schema) over gRPC
 and the OpenAI HTTP front equal the offline engine without speculation, token for token, and the
 worker's metrics count drafted and accepted tokens."""
 from __future__ import annotations
@@ -10,8 +11,9 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.structured_output.spec import StructuredOutput
 from loadtest.chaos.processes import stop_all
-from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, metric_value, start_cluster
+from tests.cluster.harness import assert_no_leaks, free_port, generate_routed, grpc_samples, metric_value, start_cluster
 
 # Text that repeats itself, so the n-gram proposer finds what comes next in the prompt.
 PROMPT = [1, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575, 282, 4649, 314] * 6
@@ -42,6 +44,13 @@ def test_ngram_speculation_in_a_decode_worker_equals_plain_greedy(spec_cluster, 
 
     got = generate_routed(spec_cluster["router"], PROMPT, max_tokens=MAX_TOKENS)
     assert got["tokens"] == want_tokens
+
+    # constrained: proposals the grammar forbids are never accepted, the output is the same
+    constrained = SamplingParams(temperature=0.0, max_tokens=60, structured_output=StructuredOutput.json_schema(
+        {"type": "array", "minItems": 3, "maxItems": 6, "items": {"enum": ["fox", "dog", "quick brown fox"]}}))
+    [want_constrained] = engine.generate([PROMPT], constrained)
+    [got_constrained] = grpc_samples(spec_cluster["router"].address, constrained, token_ids=PROMPT)
+    assert got_constrained.token_ids == want_constrained.completions[0].token_ids
 
     response = httpx.post(spec_cluster["router"].http_url + "/v1/completions", timeout=120,
                           json={"model": "default", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
