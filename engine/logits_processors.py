@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import cpu_kernels
 from engine.sampling_params import SamplingParams
 
 
@@ -39,9 +40,18 @@ def allowed_by_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """In place: -inf on every token the bitmask rows (one per entry of `rows`) do not allow."""
+    """In place: -inf on every token the bitmask rows (one per entry of `rows`) do not allow. On CPU the C++
+    kernel (engine/csrc/token_bitmask.cpp) when it is built; the torch path otherwise (and on GPUs)."""
     if not rows:
         return
+    kernels = cpu_kernels.load() if logits.device.type == "cpu" else None
+    if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        kernels.apply_token_bitmask(logits, bitmask.contiguous(), torch.tensor(rows, dtype=torch.long))
+    else:
+        apply_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     index = torch.tensor(rows, device=logits.device)
     allowed = allowed_by_bitmask(bitmask.to(logits.device), logits.shape[1])
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -9,6 +9,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
 void rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                     int64_t num_q_heads, int64_t num_kv_heads, c10::optional<at::Tensor> k_cache,
                     c10::optional<at::Tensor> v_cache, c10::optional<at::Tensor> slot_blocks,
@@ -37,6 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, py::arg("window") = 0,
         py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "float32 logits[rows[i]][t] = -inf where bit t of bitmask row i is 0 (or t is past its end), in place",
+        py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual) * weight (in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] rows");

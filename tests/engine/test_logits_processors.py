@@ -100,6 +100,21 @@ def test_the_bitmask_allows_exactly_its_set_bits_and_nothing_past_its_end():
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == list(range(32))
 
 
+def test_the_cpu_kernel_and_the_torch_path_mask_the_same_rows_alike():
+    from engine import cpu_kernels
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "the C++ CPU kernels did not build (a C++ compiler is needed)"
+    torch.manual_seed(5)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32)
+    bitmask[1, 1] = -1  # a word allowing all 32 tokens (skipped whole by the kernel)
+    logits = torch.randn(4, 100)  # 100 tokens, the bitmask covers 96: the last 4 are never allowed
+    by_kernel, by_torch = logits.clone(), logits.clone()
+    kernels.apply_token_bitmask(by_kernel, bitmask, torch.tensor([3, 1]))
+    lp.apply_bitmask_torch(by_torch, bitmask, [3, 1])
+    assert torch.equal(by_kernel, by_torch)
+    assert torch.equal(by_kernel[[0, 2]], logits[[0, 2]]) and torch.isinf(by_kernel[3, 96:]).all()
+
+
 def test_the_bitmask_agrees_with_llguidance_s_own_application():
     import llguidance.torch
     torch.manual_seed(3)
