@@ -3,8 +3,8 @@
   throughput  offline, the default model, batch 1 / 16 / 64 chat prompts: output tok/s with each sample
               constrained by one of the 10 JSON schemas of tests/data/json_schemas.json (greedy), and
               unconstrained with the same number of tokens per sample (each sample's max_tokens = its
-              constrained length, ignore_eos: the batch shrinks alike). Runs alternate (plain, constrained, plain, constrained, ...) so a
-              shared machine's load falls on both; the best of `--repeats` counts.
+              constrained length, ignore_eos: the batch shrinks alike). Runs alternate (plain,
+              constrained, plain, ...) so a shared machine's load falls on both; the best of `--repeats`.
   compile     each schema on a fresh backend: cold (the first includes building llguidance's tokenizer
               view, shown apart), then again (cached)
 Prints a table and writes JSON (bench/results/structured_output.json).
