@@ -92,6 +92,12 @@ class _GenerationBody(StructuredFields):
         self.set_input(msg)
         return msg
 
+    def common_param(self, field: str) -> str:
+        """The OpenAI name of a RequestBuilder field both bodies share (a constraint: where it came from)."""
+        if field.startswith("params.structured_output") and self._constraint_param:
+            return self._constraint_param
+        return field.removeprefix("params.")
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -131,11 +137,6 @@ class CompletionRequest(_GenerationBody):
         if field in ("input", "text", "tokens.ids"):
             return "prompt"
         return self.common_param(field)
-
-    def common_param(self, field: str) -> str:
-        if field.startswith("params.structured_output") and self._constraint_param:
-            return self._constraint_param
-        return field.removeprefix("params.")
 
 
 class TextPart(BaseModel):

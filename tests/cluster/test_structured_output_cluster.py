@@ -175,3 +175,22 @@ def test_tokenize_and_detokenize_round_trip(router, offline):
     assert text == {"prompt": "Hello there"}
     bad = httpx.post(router.http_url + "/v1/detokenize", json={"tokens": [10 ** 9]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs.grammar"),
+    ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+], ids=["regex", "response_format", "grammar", "logit_bias", "penalty", "two constraints", "tool_choice no tools"])
+def test_http_refuses_bad_structured_parameters_naming_them(router, extra, param):
+    import httpx2 as httpx
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "Hi"})):
+        if path == "/v1/completions" and param == "tool_choice":
+            continue
+        reply = httpx.post(router.http_url + path, json={**body, "max_tokens": 4, **extra}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (path, reply.text)
