@@ -15,6 +15,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+TEST_CPU_KV_CACHE_BYTES = 256 << 20
+"""The KV budget of the engines tests build in this process without one (the product's CPU default is 2 GiB:
+zeroing and page-faulting it cost ~1 CPU-second per engine, hundreds of engines a run). Worker processes
+get theirs from WORKER_FLAGS (0.25 GiB)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_default_kv_cache():
+    import engine.model_runner
+    engine.model_runner.DEFAULT_CPU_KV_CACHE_BYTES = TEST_CPU_KV_CACHE_BYTES
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from engine.model_files import ensure_default_model
