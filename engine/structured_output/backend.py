@@ -18,9 +18,6 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
-import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from engine.errors import InvalidParameter
@@ -69,8 +66,10 @@ class SampleGrammar:
         """Advance by a token; False when the grammar forbids it (the matcher is then in error)."""
         return self._matcher.consume_token(token_id)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+    def fill(self, bitmask, row: int) -> None:
+        """Write the allowed next tokens into row `row` of an int32 CPU bitmask (rows, ceil(vocab / 32))."""
+        words = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def num_valid(self, token_ids: list[int]) -> int:
         """How many leading tokens of `token_ids` the grammar would accept from here (nothing is consumed)."""
@@ -123,14 +122,17 @@ class GrammarBackend:
             raise InvalidParameter(spec.field, f"compiling took longer than {timeout_s:g}s") from None
         return SampleGrammar(template.deep_copy())
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)
+    def allocate_bitmask(self, rows: int):
+        """An int32 bitmask of `rows` rows, every token allowed."""
+        import torch
+        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         if self._ll_tokenizer is None:
+            import llguidance.hf  # transformers; not needed by the router's checks
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
         template = llguidance.LLMatcher(self._ll_tokenizer, grammar_text(spec), log_level=0)
         if template.is_error():
