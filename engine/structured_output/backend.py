@@ -132,8 +132,8 @@ class GrammarBackend:
 
     def _compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         if self._ll_tokenizer is None:
-            import llguidance.hf  # transformers; not needed by the router's checks
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
+            from llguidance.hf import from_tokenizer  # imports transformers: not needed by the router's checks
+            self._ll_tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
         template = llguidance.LLMatcher(self._ll_tokenizer, grammar_text(spec), log_level=0)
         if template.is_error():
             raise InvalidParameter(spec.field, f"does not compile: {template.get_error()}")
