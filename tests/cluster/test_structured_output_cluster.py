@@ -65,6 +65,7 @@ def client(router) -> openai.OpenAI:
     return openai.OpenAI(base_url=router.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+@pytest.mark.slow
 def test_200_seeded_samples_of_10_schemas_validate_through_prefill_and_decode(router, workers):
     async def run():
         async with insecure_channel(router.address) as channel:
