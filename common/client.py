@@ -34,6 +34,8 @@ class SampleResult:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str = ""
     usage: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict] | None = None
+    """With prompt_logprobs asked for: an entry per prompt token after the first."""
 
 
 def build_request(request_id: str, params: SamplingParams, prompt: str | None = None,
@@ -65,6 +67,8 @@ async def collect_samples(responses, on_chunk=None) -> list[SampleResult]:
             sample.token_ids.extend(msg.chunk.token_ids)
             sample.text += msg.chunk.text
             sample.logprobs.extend(logprobs_from_chunk(msg.chunk))
+            if msg.chunk.prompt_logprobs:
+                sample.prompt_logprobs = logprobs_from_chunk(msg.chunk, prompt=True)
             if on_chunk is not None:
                 on_chunk(msg.index, msg.chunk)
         else:

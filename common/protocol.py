@@ -73,19 +73,24 @@ def _structured_output_from_proto(msg: generate_pb2.SamplingParams) -> Structure
 
 
 def chunk_from_delta(delta: SampleDelta) -> generate_pb2.Chunk:
-    return generate_pb2.Chunk(
-        token_ids=delta.token_ids, text=delta.text,
-        logprobs=[generate_pb2.TokenLogprob(
-            token_id=lp["token_id"], logprob=lp["logprob"],
-            top_logprobs=[generate_pb2.TopLogprob(token_id=t["token_id"], logprob=t["logprob"])
-                          for t in lp["top_logprobs"]]) for lp in delta.logprobs])
+    return generate_pb2.Chunk(token_ids=delta.token_ids, text=delta.text,
+                              logprobs=[_logprob_to_proto(lp) for lp in delta.logprobs],
+                              prompt_logprobs=[_logprob_to_proto(lp) for lp in delta.prompt_logprobs or []])
 
 
-def logprobs_from_chunk(chunk: generate_pb2.Chunk) -> list[dict]:
-    """The engine's logprob dicts back from a Chunk (the JSONL output format)."""
+def _logprob_to_proto(lp: dict) -> generate_pb2.TokenLogprob:
+    return generate_pb2.TokenLogprob(token_id=lp["token_id"], logprob=lp["logprob"], rank=lp.get("rank", 0),
+                                     top_logprobs=[generate_pb2.TopLogprob(token_id=t["token_id"],
+                                                                           logprob=t["logprob"])
+                                                   for t in lp["top_logprobs"]])
+
+
+def logprobs_from_chunk(chunk: generate_pb2.Chunk, prompt: bool = False) -> list[dict]:
+    """The engine's logprob dicts back from a Chunk (the JSONL output format); `prompt`: its prompt logprobs."""
     return [{"token_id": lp.token_id, "logprob": lp.logprob,
-             "top_logprobs": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs]}
-            for lp in chunk.logprobs]
+             "top_logprobs": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs],
+             **({"rank": lp.rank} if prompt else {})}
+            for lp in (chunk.prompt_logprobs if prompt else chunk.logprobs)]
 
 
 def usage_from_proto(usage: generate_pb2.Usage) -> dict:

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from engine import prompt_logprobs
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.input_checks import check_params, check_prompt, check_resume
@@ -41,8 +42,7 @@ from engine.structured_output.step_masks import StepMasks
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-GRAMMAR_TIMEOUT_S = 30.0
-"""Longest an engine waits for a constraint to compile (a worker compiles it first, within its own limit)."""
+GRAMMAR_TIMEOUT_S = 30.0  # longest add_request waits for a compile (a worker compiles first, within its limit)
 
 
 class LLMEngine(KVViews):
@@ -65,8 +65,7 @@ class LLMEngine(KVViews):
         self.max_model_len = min(wanted_len, capacity)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.seed, self.runner.device)
-        self.grammars = GrammarBackend(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
-        """Structured outputs: compiles constraints off the step (a worker compiles before adding the request)."""
+        self.grammars = GrammarBackend(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)  # off the step
         self.step_masks = StepMasks(self.grammars)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -140,7 +139,8 @@ class LLMEngine(KVViews):
             raise ValueError(f"{request_id}: call reserve_kv before adding a request with its KV")
         request = Request(request_id, list(prompt_token_ids), params.for_sample(0) if params.n > 1 else params,
                           group_id=request_id, pending_forks=params.n - 1, prefill_only=prefill_only,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, prompt_logprobs_pending=params.prompt_logprobs is not None
+                          and first_token_id is None and not resumed)  # else computed where the prompt was
         sample = self._track(request, params.for_sample(0).seed if params.n > 1 else params.seed)
         self._groups[request_id] = [request_id]
         self._group_params[request_id] = params
@@ -222,7 +222,9 @@ class LLMEngine(KVViews):
         out = self.scheduler.schedule()
         if not out.scheduled:
             return
-        sampling = [item for item in out.scheduled if item.samples]  # before finish_step advances them
+        # before finish_step advances them: (item, samples, rows of logits, first position)
+        plan = [(item, item.samples, item.num_logits, item.request.num_computed_tokens) for item in out.scheduled]
+        sampling = [item for item, samples, _, _ in plan if samples]
         jobs, job_of = [], {}
         for item in sampling:
             grammar = self._samples[item.request.request_id].grammar
@@ -233,10 +235,16 @@ class LLMEngine(KVViews):
         logits = self.runner.execute(out, self.kv)
         self.scheduler.finish_step(out)
         self.num_steps += 1
-        rows, owners, spec_rows, spec_owners = [], [], [], []
+        rows, owners, spec_rows, spec_owners, prompt_rows = [], [], [], [], []
         row = 0
-        for item in sampling:
+        for item, samples, num_logits, start in plan:
             request = item.request
+            num_prompt_rows = num_logits - (1 + len(item.spec_token_ids) if samples else 0)
+            if num_prompt_rows:  # prompt logprobs: these rows come first, the sampling row last
+                prompt_rows.append((self._samples[request.request_id], row, num_prompt_rows, start, samples))
+                row += num_prompt_rows
+            if not samples:
+                continue
             job = job_of.get(request.request_id)
             if item.spec_token_ids:
                 sample = self._samples[request.request_id]
@@ -255,14 +263,16 @@ class LLMEngine(KVViews):
                                       None if job is None else masks.first_row(job)))
                 owners.append(sample)
             row += 1
-        self._inflight = (logits, rows, owners, spec_rows, spec_owners, masks)
+        self._inflight = (logits, rows, owners, spec_rows, spec_owners, masks, prompt_rows)
 
     def _collect(self) -> list[SampleState]:
         """Sample the launched step (waiting for the model) and accept each token; the samples that took one."""
         if self._inflight is None:
             return []
-        logits, rows, owners, spec_rows, spec_owners, masks = self._inflight
+        logits, rows, owners, spec_rows, spec_owners, masks, prompt_rows = self._inflight
         self._inflight = None
+        for sample, first_row, num_rows, start, done in prompt_rows:
+            prompt_logprobs.record(sample, logits[first_row:first_row + num_rows], start, done)
         bitmask = masks.wait() if masks is not None else None
         tokens = self.sampler.sample(logits, rows, bitmask)
         accepted = []
@@ -352,6 +362,8 @@ class LLMEngine(KVViews):
                             sample.detokenizer.take_delta(ended), sample.new_logprobs,
                             ended, request.finish_reason.value if ended else None, request.num_cached_tokens,
                             list(self.kv.block_table(request.request_id)) if handed_off else None)
+        if sample.prompt_logprobs is not None and not request.prompt_logprobs_pending:
+            delta.prompt_logprobs, sample.prompt_logprobs = sample.prompt_logprobs, None
         sample.new_token_ids, sample.new_logprobs = [], []
         if request.is_finished:
             self._forget(request)

@@ -20,6 +20,8 @@ class SampleDelta:
     kv_block_ids: list[int] | None = None
     """Prefill role: the request stopped after its first token; these blocks hold
     its prompt's KV and stay allocated until `LLMEngine.release_kv`."""
+    prompt_logprobs: list[dict] | None = None
+    """With the first token: an entry per prompt token after the first (engine/prompt_logprobs.py)."""
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Completion:
     text: str
     finish_reason: str
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -63,6 +66,8 @@ class CompletionCollector:
         c.text += d.text
         if d.logprobs:
             c.logprobs = (c.logprobs or []) + d.logprobs
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs = d.prompt_logprobs
         if d.finished:
             c.finish_reason = d.finish_reason
             self.cached_tokens[d.request_id] = max(self.cached_tokens.get(d.request_id, 0), d.num_cached_tokens)

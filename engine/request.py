@@ -58,6 +58,9 @@ class Request:
     """Mixed into the first block hash: only requests with the same salt share prefix-cache blocks."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed next tokens (speculative decoding) for the coming step; the scheduler takes them."""
+    prompt_logprobs_pending: bool = False
+    """prompt_logprobs asked for and the prompt not computed yet: every prompt position computes logits
+    (the request skips the prefix cache)."""
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

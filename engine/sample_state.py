@@ -26,6 +26,8 @@ class SampleState:
     """The sample's matcher when its output is constrained (structured outputs)."""
     context: SampleContext | None = None
     """What penalties, logit bias and bad words read (None when the request uses none)."""
+    prompt_logprobs: list[dict] | None = None
+    """prompt_logprobs: the entries computed so far (engine/prompt_logprobs.py), sent with the first delta."""
 
     def make_text(self) -> SampleState:
         """Detokenize the tokens accepted since the last delta (and release held text once ended)."""

@@ -61,7 +61,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     """Words never generated: their last token is banned wherever the output ends with the words' other tokens."""
     prompt_logprobs: int | None = None
-    """Each prompt token's logprob and this many alternatives: not computed yet, refused when set."""
+    """Return each prompt token's logprob (from the second on) and this many top alternatives at its position;
+    such a request does not read the prefix cache (a cached position computes no logits)."""
     structured_output: StructuredOutput | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex, a grammar or a choice."""
 
@@ -115,8 +116,9 @@ class SamplingParams:
         _check(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} bad words")
         _check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
                "bad_words", f"bad words must be non-blank strings of at most {MAX_STOP_STRING_CHARS} characters")
-        _check(self.prompt_logprobs is None, "prompt_logprobs",
-               "not supported yet (prompt positions' logits are not computed); leave it unset")
+        _check(self.prompt_logprobs is None
+               or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                "structured_output", "must be a StructuredOutput")
 

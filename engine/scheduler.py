@@ -53,7 +53,11 @@ class ScheduledRequest:
 
     @property
     def num_logits(self) -> int:
-        """Rows of logits this request needs: 1 + K when it verifies K proposals, 1 when it samples, else 0."""
+        """Rows of logits this request needs (its last positions'): 1 + K when it verifies K proposals, 1 when it
+        samples, else 0; a prompt chunk of a request wanting prompt logprobs: one per position."""
+        req = self.request
+        if req.prompt_logprobs_pending and req.num_computed_tokens < req.num_prompt_tokens:
+            return self.num_new_tokens
         return 1 + len(self.spec_token_ids) if self.samples else 0
 
     def input_token_ids(self) -> list[int]:
@@ -153,7 +157,8 @@ class Scheduler:
             request = self.waiting[0]
             prefix = first_query = None
             if not self.kv.block_table(request.request_id):
-                prefix = self.kv.find_prefix(request.request_id, request.all_token_ids, request.cache_salt)
+                prefix = PrefixHit() if request.prompt_logprobs_pending else \
+                    self.kv.find_prefix(request.request_id, request.all_token_ids, request.cache_salt)
                 if self.offload is not None:
                     started = self._start_load(request, prefix)
                     if started is None:

@@ -63,6 +63,8 @@ class _GenerationBody(StructuredFields):
     stop_token_ids: list[Int64] | None = None
     cache_salt: str | None = None
     """vLLM's extra field: prefix-cache blocks are shared only between requests with the same salt."""
+    prompt_logprobs: Int32 | None = None
+    """vLLM's extra field: each prompt token's logprob and this many alternatives (`choices[i].prompt_logprobs`)."""
 
     def check_text(self) -> None:
         """Raise InvalidParameter naming the first string UTF-8 cannot encode: JSON may carry a lone
@@ -86,6 +88,8 @@ class _GenerationBody(StructuredFields):
             params.max_tokens = self.requested_max_tokens
         if self.num_logprobs is not None:
             params.logprobs = self.num_logprobs
+        if self.prompt_logprobs is not None:
+            params.prompt_logprobs = self.prompt_logprobs
         self._constraint_param = self.set_sampling_edits(params)
         self.set_tool_constraint(params, tool_call_parser)
         msg = generate_pb2.GenerateRequest(request_id=request_id, params=params, cache_salt=self.cache_salt or "")

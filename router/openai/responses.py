@@ -44,8 +44,25 @@ class _Api:
                 "choices": choices}
 
     def response(self, samples: list[SampleResult], want_logprobs: bool) -> dict:
-        body = self.envelope(self.object_name, [self.choice(s, want_logprobs) for s in samples])
+        choices = [self.choice(s, want_logprobs) for s in samples]
+        for choice, s in zip(choices, samples, strict=True):
+            if s.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs(s.prompt_logprobs)
+        body = self.envelope(self.object_name, choices)
         body["usage"] = usage_body([s.usage for s in samples])
+        return body
+
+
+    def prompt_logprobs(self, entries: list[dict]) -> list[dict | None]:
+        """vLLM's shape: None for the first prompt token, then per token {token id: {logprob, rank,
+        decoded_token}} for the token itself and the alternatives (rank given for the token itself)."""
+        body: list[dict | None] = [None]
+        for e in entries:
+            tokens = {str(t["token_id"]): {"logprob": t["logprob"], "decoded_token": self.token_text(t["token_id"])}
+                      for t in e["top_logprobs"]}
+            tokens[str(e["token_id"])] = {"logprob": e["logprob"], "rank": e["rank"],
+                                          "decoded_token": self.token_text(e["token_id"])}
+            body.append(tokens)
         return body
 
 

@@ -2,7 +2,8 @@
 on the default model, over gRPC and through the official `openai` client: every constrained output
 validates; greedy constrained output equals the offline engine's; tools with `required`, a named function
 and `auto` (Hermes parser) come back as tool calls whose arguments validate, streamed and not; bad
-constraints are refused INVALID_ARGUMENT / 400 naming the field before any worker is touched."""
+constraints are refused INVALID_ARGUMENT / 400 naming the field before any worker is touched; prompt
+logprobs come back from the prefill worker."""
 from __future__ import annotations
 
 import asyncio
@@ -195,3 +196,21 @@ def test_http_refuses_bad_structured_parameters_naming_them(router, extra, param
             continue
         reply = httpx.post(router.http_url + path, json={**body, "max_tokens": 4, **extra}, timeout=60)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (path, reply.text)
+
+
+def test_prompt_logprobs_come_back_through_prefill_and_decode_and_http(router, offline):
+    """The prefill worker computes them with the prompt; they arrive with the first token, equal to the
+    offline engine's; the OpenAI front shapes them as vLLM does."""
+    prompt = offline.tokenizer.encode("Paris is the capital of France and Rome the capital of Italy. " * 4
+                                      + "The capital of Spain is")  # over --skip-prefill-tokens: prefilled remotely
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    want = offline.generate([prompt], params)[0].completions[0].prompt_logprobs
+    [got] = grpc_generate(router, params, "prompt-logprobs", token_ids=prompt)
+    assert [e["token_id"] for e in got.prompt_logprobs] == prompt[1:]
+    assert [e["logprob"] for e in got.prompt_logprobs] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+    body = client(router).completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0,
+                                             extra_body={"prompt_logprobs": 1}).model_dump()
+    shaped = body["choices"][0]["prompt_logprobs"]
+    assert shaped[0] is None and len(shaped) == len(prompt)
+    for token_id, entry in zip(prompt[1:], shaped[1:], strict=True):
+        assert entry[str(token_id)]["rank"] >= 1 and len(entry) <= 2
