@@ -96,7 +96,7 @@ async def _generate_file(url: str, input_path: str, output_path: str, stream: bo
             for s in outcome:
                 logprobs = s.logprobs if request.params.logprobs is not None else None
                 out.write(result_line(request.request_id, s.index if request.params.n > 1 else None, s.token_ids,
-                                      s.text, s.finish_reason, s.usage, logprobs) + "\n")
+                                      s.text, s.finish_reason, s.usage, logprobs, s.prompt_logprobs) + "\n")
     for error in sorted(errors, key=lambda e: e.line_no):
         print(f"error: {error}", file=sys.stderr)
     return 1 if errors else 0

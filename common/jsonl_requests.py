@@ -131,13 +131,16 @@ def read_requests(path: str) -> tuple[list[LineRequest], list[LineError]]:
 
 
 def result_line(request_id: str, index: int | None, token_ids: list[int], text: str,
-                finish_reason: str, usage: dict, logprobs: list | None = None) -> str:
+                finish_reason: str, usage: dict, logprobs: list | None = None,
+                prompt_logprobs: list | None = None) -> str:
     obj = {"id": request_id}
     if index is not None:
         obj["index"] = index
     obj.update(token_ids=token_ids, text=text, finish_reason=finish_reason, usage=usage)
     if logprobs is not None:
         obj["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        obj["prompt_logprobs"] = prompt_logprobs
     return json.dumps(obj, ensure_ascii=False)
 
 

@@ -49,7 +49,7 @@ def _run(engine: LLMEngine, args, requests: list[LineRequest], errors: list[Line
                          "cached_tokens": collector.cached_tokens.get(request.request_id, 0)}
                 logprobs = (c.logprobs or []) if request.params.logprobs is not None else None
                 out.write(result_line(request.request_id, c.index if n > 1 else None, c.token_ids, c.text,
-                                      c.finish_reason, usage, logprobs) + "\n")
+                                      c.finish_reason, usage, logprobs, c.prompt_logprobs) + "\n")
     for error in sorted(errors, key=lambda e: e.line_no):
         print(f"error: {error}", file=sys.stderr)
     return 1 if errors else 0

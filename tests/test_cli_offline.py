@@ -26,6 +26,10 @@ GOOD = {"id": "ok", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
     (json.dumps({"prompt": ""}), "prompt"),
     (json.dumps({"prompt": "x", "id": 5}), "id"),
     (json.dumps({"prompt": "x", "stop": ["a"] * 17}), "stop"),
+    (json.dumps({"prompt": "x", "regex": "a", "choice": ["b"]}), "choice"),
+    (json.dumps({"prompt": "x", "json_schema": "{oops"}), "structured_output.json_schema"),
+    (json.dumps({"prompt": "x", "logit_bias": {"one": 1}}), "logit_bias"),
+    (json.dumps({"prompt": "x", "min_p": 2}), "min_p"),
 ])
 def test_bad_lines_name_line_and_field(line, field):
     with pytest.raises(LineError) as e:
@@ -40,6 +44,11 @@ def test_good_line_maps_fields_onto_sampling_params():
     assert r.request_id == "a" and r.messages and r.params.n == 2 and r.params.stop == ["x"]
     assert r.params.top_k == 0 and r.params.logprobs == 2 and r.params.seed == 3
     assert parse_line(4, json.dumps({"prompt": "p"})).request_id == "4"
+    r = parse_line(5, json.dumps({"prompt": "p", "json_schema": {"type": "object"}, "logit_bias": {"7": -1.5},
+                                  "bad_words": ["no"], "repetition_penalty": 1.1, "prompt_logprobs": 2}))
+    assert r.params.structured_output.kind == "json_schema" and r.params.logit_bias == {7: -1.5}
+    assert r.params.bad_words == ["no"] and r.params.repetition_penalty == 1.1 and r.params.prompt_logprobs == 2
+    assert parse_line(6, json.dumps({"prompt": "p", "choice": ["a", "b"]})).params.structured_output.value == ("a", "b")
 
 
 def test_cli_reports_bad_lines_and_still_runs_good_ones(tmp_path):
@@ -52,6 +61,8 @@ def test_cli_reports_bad_lines_and_still_runs_good_ones(tmp_path):
                     "temperature": 0, "max_tokens": 20, "n": 2, "logprobs": 1}),
         json.dumps({"id": "ok", "prompt": "dup"}),
         json.dumps({"id": "too-long", "token_ids": [5] * 9000}),
+        json.dumps({"id": "constrained", "prompt": "Is Paris in France?", "choice": ["yes", "no"], "temperature": 0,
+                    "prompt_logprobs": 1}),
     ]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
@@ -63,7 +74,10 @@ def test_cli_reports_bad_lines_and_still_runs_good_ones(tmp_path):
     assert "line 6: field 'id'" in proc.stderr and "duplicate" in proc.stderr
     assert "line 7: field 'input'" in proc.stderr
     rows = [json.loads(line) for line in dst.read_text().splitlines()]
-    assert [(r["id"], r.get("index")) for r in rows] == [("ok", None), ("chat", 0), ("chat", 1)]
+    assert [(r["id"], r.get("index")) for r in rows] == [("ok", None), ("chat", 0), ("chat", 1), ("constrained", None)]
+    constrained = rows.pop()
+    assert constrained["text"] in ("yes", "no") and constrained["finish_reason"] == "stop"
+    assert len(constrained["prompt_logprobs"]) == constrained["usage"]["prompt_tokens"] - 1
     assert len(rows[0]["token_ids"]) == 3 and rows[0]["finish_reason"] == "length"
     for r in rows[1:]:
         assert r["text"] == "The capital of France is Paris." and r["finish_reason"] == "stop"
