@@ -12,11 +12,14 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import jsonschema
 import psutil
 import pytest
 
 from common.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster.harness import WORKER_FLAGS, free_port, generation_stub, metric_value, start
+
+PERSON = json.loads((Path(__file__).parents[1] / "data/json_schemas.json").read_text())["person"]
 
 
 def with_model(model_dir) -> list[str]:
@@ -50,7 +53,10 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, tiny_qwen2_di
         lines = [{"id": "a", "messages": [{"role": "user", "content": "Name a color."}], "temperature": 0,
                   "max_tokens": 12},
                  {"id": "b", "prompt": "1, 2, 3,", "temperature": 0, "max_tokens": 8, "ignore_eos": True},
-                 {"id": "bad", "prompt": "x", "temperature": -1}]
+                 {"id": "bad", "prompt": "x", "temperature": -1},
+                 {"id": "json", "prompt": "A person:", "json_schema": PERSON, "n": 10, "seed": 3, "temperature": 1.0,
+                  "max_tokens": 200},
+                 {"id": "pick", "prompt": "Pick one:", "choice": ["red", "green", "light blue"], "temperature": 0}]
         (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         done = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--url", proc.address, "--stream",
                                "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
@@ -58,7 +64,11 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, tiny_qwen2_di
         assert done.returncode == 1  # the bad line
         assert "line 3: field 'temperature'" in done.stderr
         out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-        assert [o["id"] for o in out] == ["a", "b"]
+        assert [o["id"] for o in out] == ["a", "b"] + ["json"] * 10 + ["pick"]
+        for o in out[2:12]:  # structured outputs through serve's 1P1D: every sample validates
+            assert o["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(o["text"]), PERSON)
+        assert out[12]["text"] in ("red", "green", "light blue") and out[12]["finish_reason"] == "stop"
         assert out[1]["usage"]["completion_tokens"] == 8 and out[1]["finish_reason"] == "length"
         streamed = [json.loads(x) for x in done.stdout.splitlines()]
         assert "".join(s["text"] for s in streamed if s["id"] == "b") == out[1]["text"]
