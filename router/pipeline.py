@@ -41,6 +41,10 @@ from router.worker_selector import NoHealthyWorker, Route, WorkerSelector
 
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
+PREFILL_BUSY_RETRIES = 20
+PREFILL_BUSY_BACKOFF_S = 0.05
+"""A prefill worker answering RESOURCE_EXHAUSTED (full) is asked again (or another is), waiting 0.05 s more
+each time: up to 20 tries, ~10 s in all, before the caller sees it."""
 SLOW_STREAM_PATIENCE = 4
 """A silent stream on a decode worker that still answers its health polls migrates only after this many
 stream timeouts (it is overloaded, and moving its samples would add their recomputation elsewhere)."""
@@ -229,6 +233,7 @@ class GenerationPipeline:
         request = worker_pb2.PrefillRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg,
                                             lease_s=self.config.lease_s, cache_salt=cache_salt)
         tried: list[WorkerClient] = []
+        busy_retries = 0
         while True:
             picked = self.selector.pick_prefill(len(prompt), hashes, exclude=tuple(tried))
             if picked is None:
@@ -254,6 +259,12 @@ class GenerationPipeline:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._recheck(worker)
                     tried.append(worker)
+                    continue
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and busy_retries < PREFILL_BUSY_RETRIES:
+                    # full: its last prompts' KV still waits for their decode workers to pull it, which the
+                    # ledger (freed when Prefill returned) does not see; a worker frees up within moments
+                    busy_retries += 1
+                    await asyncio.sleep(min(PREFILL_BUSY_BACKOFF_S * busy_retries, _remaining(deadline) or 1.0))
                     continue
                 raise _worker_error(worker, exc) from None
             finally:

@@ -132,7 +132,7 @@ def test_the_bitmask_agrees_with_llguidance_s_own_application():
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"min_p": 1.5}, "min_p"),
     ({"logit_bias": {1: 101.0}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
     ({"logit_bias": {1: float("nan")}}, "logit_bias"), ({"bad_words": [""]}, "bad_words"),
-    ({"bad_words": ["x"] * 65}, "bad_words"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"bad_words": ["x"] * 65}, "bad_words"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_out_of_range_values_name_their_field(kwargs, field):
     with pytest.raises(InvalidParameter) as err:
