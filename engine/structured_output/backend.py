@@ -3,8 +3,8 @@
 Why llguidance (bench/grammar_backends.py, BENCHMARKS.md "Structured outputs"): on SmolLM2's 49k-token
 vocabulary it compiled the 10 test schemas and filled a batch-64 step's masks several times faster than
 xgrammar, rolls back and validates draft tokens (speculative decoding), and has no dependencies of its own.
-Its one cost, building its view of the tokenizer (~3 s), is paid once, on the compile thread, when the
-first constrained request arrives.
+Its one cost, building its view of the tokenizer (0.3-1.5 s for SmolLM2's), is paid once, on the compile
+thread, when the first constrained request arrives.
 
 Compiling here means building a template matcher (llguidance parses and checks the grammar, and builds
 its lexer lazily as masks are computed): templates are cached by the constraint, and each sample's
@@ -110,7 +110,7 @@ class GrammarBackend:
             self._cache[spec] = future
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        future.add_done_callback(lambda f: f.exception() is not None and self._forget(spec, f))
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._forget(spec, f))
         return future
 
     def matcher(self, spec: StructuredOutput, timeout_s: float | None = None) -> SampleGrammar:
