@@ -14,7 +14,7 @@ from router import pipeline as pipeline_module
 from router.config import RouterConfig
 from router.pipeline import GenerationPipeline, PipelineError
 from router.request_builder import PreparedRequest
-from tests.router.test_worker_selector import HASHES, PROMPT, make
+from tests.router.test_worker_selector import PROMPT, make
 
 
 class _BusyThenDonePrefill:
