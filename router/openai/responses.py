@@ -172,6 +172,7 @@ class ToolChatCompletions(ChatCompletions):
     def __init__(self, request_id: str, model: str, token_text: Callable[[int], str], mode: ToolMode) -> None:
         super().__init__(request_id, model, token_text)
         self.mode = mode
+        self._parser = make_parser(mode.parser) if mode.kind == "auto" else None
         self._text: dict[int, str] = {}
         self._sent: dict[int, int] = {}
         """auto: characters of content streamed so far, per sample."""
@@ -214,9 +215,8 @@ class ToolChatCompletions(ChatCompletions):
         elif self.mode.kind == "required":
             upto = sent
         else:
-            parser = make_parser(self.mode.parser)
-            start = parser.marker_at(whole)
-            upto = start if start is not None else len(whole) - parser.held_back(whole)
+            start = self._parser.marker_at(whole)
+            upto = start if start is not None else len(whole) - self._parser.held_back(whole)
         if upto > sent:
             delta["content"] = whole[sent:upto]
             self._sent[index] = upto
