@@ -10,9 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 class Tokenizer:
     def __init__(self, path: Path) -> None:
-        from transformers import AutoTokenizer
+        from engine.tokenizer_loading import load_hf_tokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self._tok = load_hf_tokenizer(path)
         self.vocab_size = len(self._tok)
         self.eos_token_id = self._tok.eos_token_id
         # The Rust tokenizer itself, when transformers' decode adds nothing to it (no space clean-up):
