@@ -37,12 +37,12 @@ system-packages:
 
 test: setup system-packages
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
-# The inner loop: everything but the long scenario tests (marked slow).
+# The inner loop: everything but the long scenario tests (marked slow) and the SmolLM2 clusters (model_cluster).
 test-fast: setup system-packages
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow" --durations=10 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not model_cluster" --durations=10 tests
 
 bench: setup
 	$(PY) bench/offline_throughput.py

@@ -15,6 +15,50 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs several pytest workers on two cores: one torch thread each, or their OpenMP
+    # threads spin against each other (a third more CPU-seconds for the same tests).
+    torch.set_num_threads(1)
+
+MODEL_CLUSTER_TESTS = ("tests/cluster/", "tests/chaos/", "tests/multihost/")
+"""Tests that start clusters of SmolLM2 workers (~1.2 GB each), marked `model_cluster`: under xdist they
+run in one pytest worker, one after another, as they do without it (two of the largest at once would not
+fit in our 24 GB beside the rest). Their package fixtures (one cluster shared by a package's modules) start
+once. `make test-fast` leaves them out."""
+FREE_CLUSTER_TESTS = ("tests/cluster/test_model_families_cluster.py", "tests/cluster/test_tensor_parallel_cluster.py",
+                      "tests/cluster/test_kv_tiers_cluster.py")
+"""Small clusters (tiny random checkpoints, or two workers) that may run beside the others: the two pytest
+workers' shares stay even."""
+
+
+def xdist_group(nodeid: str) -> str:
+    """The model-cluster tests are one group, every other module a group of its own (its module fixtures
+    start once)."""
+    path = nodeid.split("::")[0]
+    return "model-clusters" if path.startswith(MODEL_CLUSTER_TESTS) and path not in FREE_CLUSTER_TESTS else path
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the mark
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if xdist_group(item.nodeid) == "model-clusters":
+            item.add_marker(pytest.mark.model_cluster)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` by `xdist_group` above: each group goes whole to one pytest worker. (xdist's own
+    loadgroup reads `xdist_group` marks through a node-id suffix that pytest 9 no longer keeps.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 TEST_CPU_KV_CACHE_BYTES = 256 << 20
 """The KV budget of the engines tests build in this process without one (the product's CPU default is 2 GiB:
 zeroing and page-faulting it cost ~1 CPU-second per engine, hundreds of engines a run). Worker processes

@@ -98,11 +98,30 @@ def assert_no_leaks(workers: list[Proc], timeout: float = 20.0, secret_file: str
     assert not busy, f"workers still hold (blocks, requests, leases): {busy}"
 
 
+XDIST_PORTS_BASE, XDIST_PORTS_PER_WORKER = 20000, 3000
+"""Under pytest-xdist each worker draws its ports from a range of its own: below the kernel's ephemeral
+range (32768-60999, where bind(0) and outgoing connections land) and above Ray's worker ports (10002-19999),
+so a port chosen here and bound a moment later by a process can be taken by nobody else."""
+
+
 def free_port() -> int:
+    import os
+    import random
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    for _ in range(200):
+        if worker.startswith("gw"):
+            low = XDIST_PORTS_BASE + int(worker[2:]) * XDIST_PORTS_PER_WORKER
+            port = random.randrange(low, low + XDIST_PORTS_PER_WORKER)
+        else:
+            port = 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in pytest worker {worker}'s range")
 
 
 def metric_value(url: str, name: str, **labels: str) -> float | None:

@@ -41,7 +41,7 @@ class Hosts:
         tag = os.getpid() % 100000
         self.prefix = f"pdh{tag}x"
         self.bridge = f"pdbr{tag}"
-        self.subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self.subnet = f"10.{200 + tag % 50}.{tag // 50 % 250}"  # distinct for pids less than 12,500 apart
         self.names = [f"{self.prefix}{i}" for i in range(1, count + 1)]
         self.addresses = [f"{self.subnet}.{i}" for i in range(1, count + 1)]
         self._veths: list[str] = []
