@@ -39,10 +39,10 @@ test: setup system-packages
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
-# The inner loop: everything but the long scenario tests (marked slow) and the SmolLM2 clusters (model_cluster).
+# The inner loop: everything but the long scenario tests (marked slow) and the tests that start worker processes (cluster).
 test-fast: setup system-packages
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not model_cluster" --durations=10 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not cluster" --durations=10 tests
 
 bench: setup
 	$(PY) bench/offline_throughput.py

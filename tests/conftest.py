@@ -21,14 +21,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 MODEL_CLUSTER_TESTS = ("tests/cluster/", "tests/chaos/", "tests/multihost/")
-"""Tests that start clusters of SmolLM2 workers (~1.2 GB each), marked `model_cluster`: under xdist they
-run in one pytest worker, one after another, as they do without it (two of the largest at once would not
-fit in our 24 GB beside the rest). Their package fixtures (one cluster shared by a package's modules) start
-once. `make test-fast` leaves them out."""
+"""Tests that start clusters of SmolLM2 workers (~1.2 GB each): under xdist they run in one pytest worker,
+one after another, as they do without it (two of the largest at once would not fit in our 24 GB beside the
+rest). Their package fixtures (one cluster shared by a package's modules) start once."""
 FREE_CLUSTER_TESTS = ("tests/cluster/test_model_families_cluster.py", "tests/cluster/test_tensor_parallel_cluster.py",
                       "tests/cluster/test_kv_tiers_cluster.py")
 """Small clusters (tiny random checkpoints, or two workers) that may run beside the others: the two pytest
 workers' shares stay even."""
+OTHER_CLUSTER_TESTS = ("tests/security/test_internal_grpc_auth.py", "tests/security/test_front_hardening.py",
+                       "tests/security/test_worker_relay.py", "tests/security/test_listen_addresses.py",
+                       "tests/security/test_internal_tls.py", "tests/monitoring/test_prometheus_dashboards.py",
+                       "tests/helm/test_chart_internal_tls.py")
+"""Modules elsewhere that start worker processes too."""
 
 
 def xdist_group(nodeid: str) -> str:
@@ -40,11 +44,14 @@ def xdist_group(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the mark
 def pytest_collection_modifyitems(config, items):
+    """Mark `cluster` every test that starts worker processes (`make test-fast` leaves them out)."""
     for item in items:
-        if xdist_group(item.nodeid) == "model-clusters":
-            item.add_marker(pytest.mark.model_cluster)
+        path = item.nodeid.split("::")[0]
+        if path.startswith(MODEL_CLUSTER_TESTS) or path in OTHER_CLUSTER_TESTS:
+            item.add_marker(pytest.mark.cluster)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: plain `pytest` runs without it
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` by `xdist_group` above: each group goes whole to one pytest worker. (xdist's own
     loadgroup reads `xdist_group` marks through a node-id suffix that pytest 9 no longer keeps.)"""
