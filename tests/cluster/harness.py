@@ -101,7 +101,9 @@ def assert_no_leaks(workers: list[Proc], timeout: float = 20.0, secret_file: str
 XDIST_PORTS_BASE, XDIST_PORTS_PER_WORKER = 20000, 3000
 """Under pytest-xdist each worker draws its ports from a range of its own: below the kernel's ephemeral
 range (32768-60999, where bind(0) and outgoing connections land) and above Ray's worker ports (10002-19999),
-so a port chosen here and bound a moment later by a process can be taken by nobody else."""
+so a port chosen here and bound a moment later by a process can be taken by nobody else. A worker does not
+hand out a port twice in its first 1,500 (ports are often drawn several at a time, before any is bound)."""
+_given_ports: set[int] = set()
 
 
 def free_port() -> int:
@@ -113,6 +115,8 @@ def free_port() -> int:
         if worker.startswith("gw"):
             low = XDIST_PORTS_BASE + int(worker[2:]) * XDIST_PORTS_PER_WORKER
             port = random.randrange(low, low + XDIST_PORTS_PER_WORKER)
+            if port in _given_ports and len(_given_ports) < XDIST_PORTS_PER_WORKER // 2:
+                continue
         else:
             port = 0
         with socket.socket() as s:
@@ -120,6 +124,7 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _given_ports.add(s.getsockname()[1])
             return s.getsockname()[1]
     raise RuntimeError(f"no free port in pytest worker {worker}'s range")
 
