@@ -46,6 +46,7 @@ class KVViews:
     def lease_cached_prefix(self, lease_id: str, token_ids: list[int], cache_salt: str = "") -> list[int]:
         """Holder of a peer pull: hold the device blocks of the leading full blocks of `token_ids` cached here
         under `cache_salt` until `release_kv(lease_id)`; returns their ids (none cached: empty, nothing held)."""
+        self.validate_prompt(token_ids)
         self._check_new_id(lease_id, "lease_id")
         hit = self.kv.find_prefix(lease_id, token_ids, cache_salt, whole=True)
         if not hit.block_ids:

@@ -46,7 +46,6 @@ class PrefillRole(WorkerRole):
             try:
                 if not 0 < len(request.lease_id) <= MAX_TRANSFER_ID_CHARS:
                     raise InvalidParameter("lease_id", f"must have 1 to {MAX_TRANSFER_ID_CHARS} characters")
-                servicer.loop.engine.validate_prompt(list(request.token_ids))
                 lease = await servicer.loop.lease_prefix(request.lease_id, list(request.token_ids),
                                                          request.cache_salt, lease_s)
             except InvalidParameter as exc:
