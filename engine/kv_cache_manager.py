@@ -93,17 +93,19 @@ class KVCacheManager:
         """True when every key a query at `first_query` (or later) may read has a real block."""
         return self.num_released(seq_id) <= self.num_skipped_blocks(first_query)
 
-    def find_prefix(self, seq_id: str, token_ids: list[int], salt: str = "") -> PrefixHit:
+    def find_prefix(self, seq_id: str, token_ids: list[int], salt: str = "", whole: bool = False) -> PrefixHit:
         """Longest run of cached full blocks at the start of `token_ids` (hashed with `salt`:
         only blocks cached under the same salt can match).
 
         At most len-1 tokens are reported, so the last token is always computed
         (its logits are needed to sample). Counts tokens queried and hit.
+        With `whole` (a prefix moved between workers, not a prompt to run): every full block may
+        match, and nothing is counted.
         """
         if not self.enable_prefix_caching:
             return PrefixHit()
         hashes = self._hashes_for(seq_id, token_ids, salt)
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        max_blocks = len(token_ids) // self.block_size if whole else (len(token_ids) - 1) // self.block_size
         hit = PrefixHit()
         bs = self.block_size
         for i, block_hash in enumerate(hashes[:max_blocks]):
@@ -112,8 +114,9 @@ class KVCacheManager:
                 break
             hit.block_ids.append(block_id)
         hit.num_tokens = len(hit.block_ids) * bs
-        self.num_prefix_queries += len(token_ids)
-        self.num_prefix_hits += hit.num_tokens
+        if not whole:
+            self.num_prefix_queries += len(token_ids)
+            self.num_prefix_hits += hit.num_tokens
         return hit
 
     # ---- allocation ----------------------------------------------------

@@ -1,6 +1,7 @@
 """What the engine tells the world about its KV: prefix-cache events, cached hashes per medium, block counts,
 and the KV tiers below its pool (built here: engine/kv_offload/); and the blocks the disaggregated roles
-hold for a transfer (`reserve_kv`, `release_kv`)."""
+hold for a transfer (`reserve_kv`, `release_kv`), and a cached prefix moved between prefill workers
+(`lease_cached_prefix` on the holder, `reserve_prefix` / `finish_prefix` on the puller)."""
 from __future__ import annotations
 
 from engine.sampling_params import InvalidParameter
@@ -41,6 +42,48 @@ class KVViews:
         if not self.scheduler.drop_load(request_id):  # else freed when the lower tier's load ends
             self.kv.free(request_id)
         return True
+
+    def lease_cached_prefix(self, lease_id: str, token_ids: list[int], cache_salt: str = "") -> list[int]:
+        """Holder of a peer pull: hold the device blocks of the leading full blocks of `token_ids` cached here
+        under `cache_salt` until `release_kv(lease_id)`; returns their ids (none cached: empty, nothing held)."""
+        self.validate_prompt(token_ids)
+        self._check_new_id(lease_id, "lease_id")
+        hit = self.kv.find_prefix(lease_id, token_ids, cache_salt, whole=True)
+        if not hit.block_ids:
+            self.kv.free(lease_id)  # forget the hashes it computed
+            return []
+        self.kv.allocate_slots(lease_id, 0, 0, hit)  # takes a reference on each: no eviction meanwhile
+        self._handed_off.add(lease_id)
+        return list(hit.block_ids)
+
+    def reserve_prefix(self, request_id: str, token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
+        """Puller of a peer pull: blocks for the full blocks of `token_ids`, a prefix another worker holds.
+
+        This pool's own cached blocks of it are reused; returns the block table and how many of its leading
+        blocks are such (only the rest are pulled). Raises MemoryError when blocks are short (nothing held).
+        `finish_prefix` ends the reservation."""
+        self._check_new_id(request_id, "request_id")
+        self._wait_for_launched_step()  # blocks freed meanwhile may be handed out and written by the pull
+        token_ids = token_ids[:len(token_ids) // self.kv.block_size * self.kv.block_size]
+        hit = self.kv.find_prefix(request_id, token_ids, cache_salt, whole=True)
+        if self.kv.allocate_slots(request_id, 0, len(token_ids) - hit.num_tokens, hit) is None:
+            self.kv.free(request_id)
+            raise MemoryError("not enough free KV blocks for the prefix")
+        self._prefix_pulls[request_id] = (token_ids, cache_salt)
+        return list(self.kv.block_table(request_id)), len(hit.block_ids)
+
+    def finish_prefix(self, request_id: str, pulled: bool) -> None:
+        """The pull into `reserve_prefix`'s blocks ended. `pulled`: they hold the prefix's KV now and enter
+        the prefix cache as if computed here (the request added next finds them); else they are dropped."""
+        token_ids, cache_salt = self._prefix_pulls.pop(request_id)
+        if pulled:
+            self.kv.cache_computed_blocks(request_id, token_ids, len(token_ids), cache_salt)
+        self.kv.free(request_id)
+
+    def _check_new_id(self, request_id: str, field_name: str) -> None:
+        if (request_id in self._groups or request_id in self._reserved or request_id in self._handed_off
+                or request_id in self._prefix_pulls):
+            raise InvalidParameter(field_name, f"{request_id!r} is already in use")
 
     def _start_kv_tiers(self) -> None:
         """Put the configured host/disk tiers behind the pool (a disk tier found again announces its blocks)."""

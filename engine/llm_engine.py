@@ -75,13 +75,13 @@ class LLMEngine(KVViews):
         self._group_params: dict[str, SamplingParams] = {}
         self._reserved: dict[str, int] = {}
         """Decode role: request id -> locally cached prompt tokens, between reserve_kv and add_request."""
+        self._prefix_pulls: dict[str, tuple[list[int], str]] = {}  # prefill: a peer pull's (tokens, salt)
         self._handed_off: set[str] = set()
         """Prefill role: requests stopped after their first token whose blocks are kept for a transfer."""
         self._ended_between_steps: list[SampleState] = []
         """Samples aborted (or finished on arrival) since the last step; reported by the next step."""
         self.num_steps = 0
         self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
-        """Launch step N+1 before reporting step N (see `step`)."""
         self._inflight: tuple | None = None
         """(logits, sample rows, owners, spec rows, spec owners) of the launched step not yet collected."""
         self.proposer: Proposer | None = make_proposer(self.config, self.model_config, self.max_model_len,

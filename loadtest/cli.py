@@ -14,9 +14,10 @@ def add_arguments(p: argparse.ArgumentParser, own_cluster: bool = False) -> None
     no --url, TLS, API key, sweep or plots then."""
     if not own_cluster:
         p.add_argument("--url", required=True, help="host:port of the router")
-    p.add_argument("--dataset", default="random", help="random | prefix | sharegpt:FILE")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    p.add_argument("--dataset", default="random", help="random | prefix | sharegpt:FILE | mooncake:FILE (a trace)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests (a trace: its first N)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s (inf: all at once); not for a trace, which has its own send times")
     p.add_argument("--rate-schedule", default=None, metavar="R:S,R:S,...",
                    help="a rate that steps: R requests/s for S seconds, phase after phase (instead of "
                         "--request-rate and --num-prompts); the JSON gets a summary per phase")
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser, own_cluster: bool = False) -> None
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--prefix-output-len", type=int, default=32)
     p.add_argument("--sharegpt-output-len", type=int, default=None)
+    _add_trace_arguments(p)
     p.add_argument("--output", default=None, help="JSON result file")
     p.add_argument("--no-progress", action="store_true")
     if own_cluster:
@@ -50,19 +52,40 @@ def add_arguments(p: argparse.ArgumentParser, own_cluster: bool = False) -> None
     p.add_argument("--api-key-file", default=None, help="file whose first line is the API key (else $PDSERVE_API_KEY)")
 
 
+def _add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace-block-tokens", type=int, default=16, metavar="N",
+                   help="mooncake: token ids per hash id (prompts are the trace's lengths times N/512)")
+    p.add_argument("--trace-source-block-tokens", type=int, default=512,
+                   help="mooncake: tokens per hash id in the trace")
+    p.add_argument("--trace-output-scale", type=float, default=None,
+                   help="mooncake: output length = the trace's times this (default: N/512, as the prompts)")
+    p.add_argument("--trace-max-output-len", type=int, default=None, help="mooncake: cap on output lengths")
+    p.add_argument("--trace-sessions", type=int, default=None, metavar="K",
+                   help="mooncake: replay every turn of the first K sessions (instead of --num-prompts requests)")
+    p.add_argument("--trace-schedule", choices=("fixed", "order"), default=None,
+                   help="mooncake: fixed = at the trace's timestamps; order = in trace order at --max-concurrency "
+                        "(default: order with --max-concurrency, else fixed)")
+    p.add_argument("--trace-time-scale", type=float, default=1.0,
+                   help="mooncake, fixed schedule: multiply the trace's timestamps (0.5: twice as fast)")
+
+
 def config_from_args(args: argparse.Namespace, url: str | None = None) -> LoadTestConfig:
     dataset = DatasetConfig.from_spec(
         args.dataset, random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio, prefix_num_prefixes=args.prefix_num_prefixes,
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, prefix_output_len=args.prefix_output_len,
-        sharegpt_output_len=args.sharegpt_output_len, model=args.model)
+        sharegpt_output_len=args.sharegpt_output_len, model=args.model,
+        trace_block_tokens=args.trace_block_tokens, trace_source_block_tokens=args.trace_source_block_tokens,
+        trace_output_scale=args.trace_output_scale, trace_max_output_len=args.trace_max_output_len,
+        trace_sessions=args.trace_sessions)
     return LoadTestConfig(url=url or args.url, dataset=dataset, num_prompts=args.num_prompts,
                           request_rate=args.request_rate, burstiness=args.burstiness,
                           rate_schedule=parse_schedule(args.rate_schedule) if args.rate_schedule else (),
                           max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
                           duration_s=args.duration_s, request_timeout_s=args.request_timeout_s,
                           slos=parse_slos(args.goodput), seed=args.seed, progress=not args.no_progress,
-                          tls_ca_file=getattr(args, "tls_ca", None), api_key_file=getattr(args, "api_key_file", None))
+                          tls_ca_file=getattr(args, "tls_ca", None), api_key_file=getattr(args, "api_key_file", None),
+                          trace_schedule=args.trace_schedule, trace_time_scale=args.trace_time_scale)
 
 
 def parse_rates(text: str) -> list[float]:
@@ -110,6 +133,8 @@ def prepare(args: argparse.Namespace):
     """Validate the flags (ValueError names the bad one); return the command to run."""
     config = config_from_args(args)
     if args.sweep:
+        if config.dataset.is_trace:
+            raise ValueError("--sweep varies --request-rate, which a trace does not use (try --trace-time-scale)")
         parse_rates(args.sweep)
         if not config.slos:
             raise ValueError("--sweep needs SLOs: --goodput ttft:MS tpot:MS ...")

@@ -28,8 +28,10 @@ async def send(stub, index: int, request, prompt_len: int, timeout_s: float | No
                 if msg.chunk.token_ids:
                     record.chunk_times.append(now)
                     record.output_tokens += len(msg.chunk.token_ids)
-            elif msg.complete.usage.prompt_tokens:
-                record.prompt_len = msg.complete.usage.prompt_tokens
+            elif msg.HasField("complete"):
+                usage = msg.complete.usage
+                record.prompt_len = usage.prompt_tokens or record.prompt_len
+                record.cached_tokens = usage.cached_tokens
     except grpc.aio.AioRpcError as exc:
         record.status, record.error = exc.code().name, exc.details() or ""
     record.end_time = time.perf_counter()

@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
-DATASETS = ("random", "prefix", "sharegpt")
+DATASETS = ("random", "prefix", "sharegpt", "mooncake")
+TRACE_SCHEDULES = ("fixed", "order")
 
 
 def parse_slos(items: list[str] | None) -> dict[str, float]:
@@ -26,9 +27,9 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
 @dataclass
 class DatasetConfig:
     name: str = "random"
-    """"random", "prefix" or "sharegpt"."""
+    """"random", "prefix", "sharegpt" or "mooncake"."""
     path: str | None = None
-    """sharegpt: the ShareGPT-format JSON file."""
+    """sharegpt: the ShareGPT-format JSON file; mooncake: the trace's JSONL file."""
     random_input_len: int = 256
     """random: prompt tokens (before the range ratio)."""
     random_output_len: int = 32
@@ -49,12 +50,36 @@ class DatasetConfig:
     """random/prefix: token ids are drawn from [100, vocab_size)."""
     model: str = "default"
     """sharegpt: checkpoint whose tokenizer measures the texts ('default': the bundled SmolLM2)."""
+    trace_block_tokens: int = 16
+    """mooncake: token ids each hash id stands for."""
+    trace_source_block_tokens: int = 512
+    """mooncake: tokens per hash id in the trace (prompts are scaled by trace_block_tokens / this)."""
+    trace_output_scale: float | None = None
+    """mooncake: output length = trace output_length * this (default: the prompts' scale)."""
+    trace_max_output_len: int | None = None
+    """mooncake: cap on the output length."""
+    trace_sessions: int | None = None
+    """mooncake: replay every turn of the first this many sessions (instead of the first num_prompts requests)."""
+
+    @property
+    def is_trace(self) -> bool:
+        return self.name == "mooncake"
 
     def __post_init__(self) -> None:
         if self.name not in DATASETS:
-            raise ValueError(f"dataset must be random, prefix or sharegpt:FILE, got {self.name!r}")
-        if self.name == "sharegpt" and not self.path:
-            raise ValueError("dataset sharegpt needs a file: --dataset sharegpt:FILE")
+            raise ValueError(f"dataset must be random, prefix, sharegpt:FILE or mooncake:FILE, got {self.name!r}")
+        if self.name in ("sharegpt", "mooncake") and not self.path:
+            raise ValueError(f"dataset {self.name} needs a file: --dataset {self.name}:FILE")
+        for name in ("trace_block_tokens", "trace_source_block_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("trace_max_output_len", "trace_sessions"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.trace_output_scale is not None and not self.trace_output_scale > 0:
+            raise ValueError("trace_output_scale must be > 0")
+        if self.trace_sessions is not None and not self.is_trace:
+            raise ValueError("trace_sessions applies to a trace: --dataset mooncake:FILE")
         for name in ("random_input_len", "random_output_len", "prefix_len", "prefix_output_len",
                      "prefix_num_prefixes"):
             if getattr(self, name) < 1:
@@ -70,7 +95,7 @@ class DatasetConfig:
 
     @classmethod
     def from_spec(cls, spec: str, **kwargs) -> DatasetConfig:
-        """`random`, `prefix` or `sharegpt:FILE`."""
+        """`random`, `prefix`, `sharegpt:FILE` or `mooncake:FILE`."""
         name, _, path = spec.partition(":")
         return cls(name=name, path=path or None, **kwargs)
 
@@ -106,6 +131,11 @@ class LoadTestConfig:
     """Reach the router over TLS, verifying it against this PEM CA."""
     api_key_file: str | None = None
     """File whose first line is the router's API key (else $PDSERVE_API_KEY; none: no key)."""
+    trace_schedule: str | None = None
+    """Trace datasets: "fixed" (at the trace's timestamps) or "order" (in trace order at max_concurrency);
+    None: "order" with a max_concurrency, else "fixed"."""
+    trace_time_scale: float = 1.0
+    """fixed schedule: send times are the trace's timestamps times this (0.5: twice as fast)."""
 
     def __post_init__(self) -> None:
         if not self.url or ":" not in self.url:
@@ -136,3 +166,23 @@ class LoadTestConfig:
                 raise ValueError(f"unknown SLO metric {key!r}: use {', '.join(SLO_METRICS)}")
             if not value > 0:
                 raise ValueError(f"SLO {key} must be > 0 ms")
+        self._check_trace()
+
+    def _check_trace(self) -> None:
+        if not self.dataset.is_trace:
+            if self.trace_schedule is not None:
+                raise ValueError("trace_schedule applies to a trace: --dataset mooncake:FILE")
+            return
+        if self.trace_schedule is None:
+            self.trace_schedule = "order" if self.max_concurrency else "fixed"
+        if self.trace_schedule not in TRACE_SCHEDULES:
+            raise ValueError(f"trace_schedule must be fixed or order, got {self.trace_schedule!r}")
+        if self.trace_schedule == "order" and not self.max_concurrency:
+            raise ValueError("trace_schedule order sends at a fixed concurrency: give --max-concurrency")
+        if not (self.trace_time_scale > 0 and math.isfinite(self.trace_time_scale)):
+            raise ValueError("trace_time_scale must be finite and > 0")
+        if not math.isinf(self.request_rate) or self.rate_schedule:
+            raise ValueError("a trace brings its own send times: --request-rate and --rate-schedule do not apply "
+                             "(use --trace-schedule fixed --trace-time-scale, or order --max-concurrency)")
+        if self.num_warmups:
+            raise ValueError("num_warmups: a trace replay has no warm-up (it would take the trace's first requests)")

@@ -1,7 +1,8 @@
-"""Prompts to send: random token ids, shared-prefix token ids, or ShareGPT conversations.
+"""Prompts to send: random token ids, shared-prefix token ids, ShareGPT conversations, or a trace.
 
 random and prefix prompts are token ids (exact lengths, no tokenizer needed);
-ShareGPT prompts are text, measured with the model's tokenizer.
+ShareGPT prompts are text, measured with the model's tokenizer; mooncake trace
+prompts are token ids too (loadtest/trace.py).
 """
 from __future__ import annotations
 
@@ -23,9 +24,19 @@ class Prompt:
     output_len: int
     token_ids: list[int] | None = None
     text: str | None = None
+    session_id: str | None = None
+    """Traces: the conversation this request belongs to."""
+    turn: int | None = None
+    """Traces: how many earlier requests of the same session there are."""
+    arrival_ms: float | None = None
+    """Traces: the request's timestamp in the trace (ms)."""
 
 
 def load_prompts(config: DatasetConfig, num_prompts: int, seed: int) -> list[Prompt]:
+    """num_prompts prompts (a trace: its selected slice, which may hold another number)."""
+    if config.is_trace:
+        from loadtest.trace import trace_prompts
+        return trace_prompts(config, num_prompts, seed)
     rng = random.Random(seed)
     if config.name == "random":
         return random_prompts(config, num_prompts, rng)

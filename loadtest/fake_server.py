@@ -4,6 +4,8 @@ Each request gets max_tokens one-token chunks: the first after `ttft_s`, the
 next ones `itl_s` apart, then a Complete. No model, no router: what the load
 tester reports beyond these delays is its own overhead. Every `fail_every`-th
 request is refused with RESOURCE_EXHAUSTED (0: none), to exercise failure counts.
+Its usage reports as cached_tokens the leading 16-token blocks of the prompt's token
+ids that an earlier request already sent (an unbounded prefix cache, filled on arrival).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import grpc
 
 from common.grpc_common import new_server
 from common.protocol import generate_pb2, generate_pb2_grpc
+from loadtest.prefix import block_keys, cached_prefix_tokens
 
 
 class FakeGeneration(generate_pb2_grpc.GenerationServicer):
@@ -23,11 +26,18 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         self.num_requests = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.request_ids: list[str] = []
+        """Every request's id, in the order they arrived."""
+        self._blocks: set[int] = set()
 
     async def Generate(self, request, context):
         self.num_requests += 1
+        self.request_ids.append(request.request_id)
         if self.fail_every and self.num_requests % self.fail_every == 0:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake overload")
+        keys = block_keys(request.tokens.ids)
+        cached = cached_prefix_tokens(keys, self._blocks)
+        self._blocks.update(keys)
         n = request.params.max_tokens if request.params.HasField("max_tokens") else 16
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -42,7 +52,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             self.in_flight -= 1
         yield generate_pb2.GenerateResponse(request_id=request.request_id, complete=generate_pb2.Complete(
             finish_reason=generate_pb2.FINISH_REASON_LENGTH,
-            usage=generate_pb2.Usage(prompt_tokens=len(request.tokens.ids), completion_tokens=n)))
+            usage=generate_pb2.Usage(prompt_tokens=len(request.tokens.ids), completion_tokens=n,
+                                     cached_tokens=cached)))
 
 
 async def start_fake_server(ttft_s: float, itl_s: float, fail_every: int = 0, host: str = "127.0.0.1"):

@@ -21,7 +21,11 @@ def table(summary: dict) -> str:
              ("Total generated tokens", summary["total_output_tokens"]),
              ("Request throughput (req/s)", summary["request_throughput"]),
              ("Output token throughput (tok/s)", summary["output_throughput"]),
-             ("Total token throughput (tok/s)", summary["total_token_throughput"])]
+             ("Total token throughput (tok/s)", summary["total_token_throughput"]),
+             ("Prefix hit ratio (%)", 100.0 * summary.get("prefix_hit_ratio", 0.0))]
+    if "ideal_prefix_hit_ratio" in summary:
+        rows += [("Ideal prefix hit ratio (%)", 100.0 * summary["ideal_prefix_hit_ratio"]),
+                 ("Trace sessions", summary.get("num_sessions"))]
     if "slos_ms" in summary:
         slos = ", ".join(f"{k} <= {v:g} ms" for k, v in summary["slos_ms"].items())
         rows += [(f"SLO ({slos})", ""), ("Requests meeting every SLO", summary["good_requests"]),
@@ -32,8 +36,22 @@ def table(summary: dict) -> str:
         lines.append(_title(LABELS[m], "-"))
         lines.append(_row(f"Mean {m.upper()} (ms)", summary[f"mean_{m}_ms"]))
         lines += [_row(f"P{p} {m.upper()} (ms)", summary[f"p{p}_{m}_ms"]) for p in PERCENTILES]
+    if summary.get("per_turn"):
+        lines += turn_table(summary["per_turn"])
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+def turn_table(per_turn: dict[str, dict]) -> list[str]:
+    """A trace replay's TTFT and ITL (ms) per turn of a session."""
+    lines = [_title("By turn of a session (ms)", "-"),
+             f"{'turn':>4} {'done':>5} {'hit %':>6} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
+             f"{'ITL mean':>8} {'p50':>6} {'p99':>6}"]
+    for turn, t in per_turn.items():
+        lines.append(f"{turn:>4} {t['completed']:>5} {100 * t['prefix_hit_ratio']:>6.1f} {t['mean_ttft_ms']:>9.1f} "
+                     f"{t['p50_ttft_ms']:>7.1f} {t['p99_ttft_ms']:>7.1f} {t['mean_itl_ms']:>8.1f} "
+                     f"{t['p50_itl_ms']:>6.1f} {t['p99_itl_ms']:>6.1f}")
+    return lines
 
 
 def sweep_table(runs: list[dict], target: float, goodput_rate: float | None) -> str:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
+TURN_BUCKETS = 4
+"""Trace replays report turns 0, 1, 2 and 3+ apart."""
 
 
 @dataclass
@@ -25,9 +27,9 @@ class RequestRecord:
     index: int
     prompt_len: int
     scheduled_time: float = 0.0
+    """When the arrival process meant to send it (before waiting for a concurrency slot or an earlier turn)."""
     offset_s: float = 0.0
     """When it was due, in seconds after the run's start."""
-    """When the arrival process meant to send it (before waiting for a concurrency slot)."""
     send_time: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     end_time: float = 0.0
@@ -35,6 +37,11 @@ class RequestRecord:
     status: str = "OK"
     """gRPC status code name; "OK" for a request that completed."""
     error: str = ""
+    cached_tokens: int = 0
+    """Prompt tokens the server reused from its prefix cache (its usage.cached_tokens)."""
+    session_id: str | None = None
+    """Trace replays: the request's session and its turn index in it."""
+    turn: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -63,7 +70,8 @@ class RequestRecord:
         return {"index": self.index, "status": self.status, "error": self.error, "prompt_len": self.prompt_len,
                 "output_len": self.output_tokens, "ttft_ms": _ms(self.ttft), "tpot_ms": _ms(self.tpot),
                 "e2el_ms": _ms(self.e2el) if self.ok else None, "itls_ms": [_ms(x) for x in self.itls],
-                "start_time": self.send_time, "send_lag_ms": _ms(self.send_time - self.scheduled_time)}
+                "start_time": self.send_time, "send_lag_ms": _ms(self.send_time - self.scheduled_time),
+                "cached_tokens": self.cached_tokens, "session_id": self.session_id, "turn": self.turn}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -118,6 +126,7 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
+        "total_cached_tokens": sum(r.cached_tokens for r in done), "prefix_hit_ratio": prefix_hit_ratio(done),
     }
     for name, values in metric_values_ms(records).items():
         out.update(describe(values, name))
@@ -126,6 +135,37 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
         out.update({"slos_ms": dict(slos_ms), "good_requests": good,
                     "slo_attainment": good / len(records) if records else 0.0,
                     "request_goodput": good / duration})
+    return out
+
+
+def prefix_hit_ratio(records: list[RequestRecord]) -> float:
+    """Cached prompt tokens / prompt tokens over the completed requests (0.0 for none)."""
+    done = [r for r in records if r.ok]
+    total = sum(r.prompt_len for r in done)
+    return sum(r.cached_tokens for r in done) / total if total else 0.0
+
+
+def turn_bucket(turn: int | None) -> str:
+    """"0", "1", "2" or "3+" (a request without a turn counts as a first turn)."""
+    turn = turn or 0
+    return str(turn) if turn < TURN_BUCKETS - 1 else f"{TURN_BUCKETS - 1}+"
+
+
+def per_turn(records: list[RequestRecord]) -> dict[str, dict]:
+    """Per turn bucket with requests: completed, prefix_hit_ratio, and mean/p50/p99 of TTFT and ITL in ms."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(turn_bucket(r.turn), []).append(r)
+    out = {}
+    for bucket in sorted(groups, key=lambda b: int(b.rstrip("+"))):
+        mine = groups[bucket]
+        values = metric_values_ms(mine)
+        row: dict = {"requests": len(mine), "completed": sum(r.ok for r in mine), "prefix_hit_ratio":
+                     prefix_hit_ratio(mine)}
+        for m in ("ttft", "itl"):
+            d = describe(values[m], m)
+            row.update({k: d[k] for k in (f"mean_{m}_ms", f"p50_{m}_ms", f"p99_{m}_ms")})
+        out[bucket] = row
     return out
 
 

@@ -46,6 +46,12 @@ class RouterConfig:
                 "slower than the prefill pool computes one"})
     """Skip remote prefill into a decode worker whose observed KV pull bandwidth moves a token's KV
     slower than the prefill pool computes a token (router/link_estimate.py)."""
+    peer_pulls: bool = field(default=True, metadata={
+        "flag": "--no-peer-pulls", "group": "routing",
+        "help": "never have a prefill worker pull a cached prefix from another prefill worker: it computes what "
+                "it lacks"})
+    """Prefix policy: a prefill worker lacking a prefix another prefill worker holds on its device may pull it
+    when that is cheaper than computing it (router/README.md, "Peer prefix pulls")."""
     redis_url: str | None = field(default=None, metadata={
         "group": "registry (Redis)",
         "help": "share the worker registry and KV events through this Redis (redis://host:port/db)"})

@@ -40,7 +40,21 @@ class WorkerStatsCollector:
                                     labels=["worker", "role"])
         saturated = GaugeMetricFamily("pdserve:worker_saturated", "1 while the worker is at its request limit "
                                       "(new requests wait for another)", labels=["worker", "role"])
+        token_s = GaugeMetricFamily("pdserve:router_prefill_token_seconds",
+                                    "Learnt seconds per uncached prompt token of each prefill worker (the routing "
+                                    "policy's prediction)", labels=["worker"])
+        request_s = GaugeMetricFamily("pdserve:router_prefill_request_seconds",
+                                      "Learnt fixed seconds per request of each prefill worker", labels=["worker"])
+        link = GaugeMetricFamily("pdserve:router_kv_link_bytes_per_second",
+                                 "Learnt bandwidth of KV pulls into each worker (from prefill workers into a decode "
+                                 "worker, from peers into a prefill worker); absent until timed",
+                                 labels=["worker", "role"])
         for w in self.pool.workers:
+            if w.role == "prefill":
+                token_s.add_metric([w.address], w.speed.token_s)
+                request_s.add_metric([w.address], w.speed.request_s)
+            if w.link.bytes_per_s:
+                link.add_metric([w.address, w.role], w.link.bytes_per_s)
             healthy.add_metric([w.address, w.role], 1.0 if w.healthy else 0.0)
             saturated.add_metric([w.address, w.role], 0.0 if w.has_room else 1.0)
             if w.stats is not None:
@@ -49,6 +63,9 @@ class WorkerStatsCollector:
         yield from gauges.values()
         yield healthy
         yield saturated
+        yield token_s
+        yield request_s
+        yield link
 
 
 class RouterMetrics:

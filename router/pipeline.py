@@ -35,6 +35,7 @@ from common.protocol import generate_pb2, params_to_proto, worker_pb2
 from router.admission import AdmissionRejected
 from router.config import RouterConfig
 from router.migration import MigrationReason, SampleProgress, migration_reason
+from router.peer_pulls import PeerPulls
 from router.request_builder import PreparedRequest
 from router.worker_pool import WorkerClient
 from router.worker_selector import NoHealthyWorker, Route, WorkerSelector
@@ -77,8 +78,18 @@ class GenerationPipeline:
         self.selector = selector
         self.pool = selector.pool
         self._background: set[asyncio.Task] = set()
-        self.handle_key: bytes | None = None
-        """The cluster's handle key: KV handles passed to decode workers are signed with it."""
+        self.peer_pulls = PeerPulls(self.pool, selector.metrics)
+        self.handle_key = None
+
+    @property
+    def handle_key(self) -> bytes | None:
+        """The cluster's handle key: KV handles passed to decode workers (and prefix handles passed to
+        prefill workers) are signed with it."""
+        return self.peer_pulls.handle_key
+
+    @handle_key.setter
+    def handle_key(self, key: bytes | None) -> None:
+        self.peer_pulls.handle_key = key
 
     async def generate(self, request: PreparedRequest, timeout_s: float | None = None,
                        routes: list[tuple[int, Route]] | None = None
@@ -235,25 +246,29 @@ class GenerationPipeline:
         tried: list[WorkerClient] = []
         busy_retries = 0
         while True:
-            picked = self.selector.pick_prefill(len(prompt), hashes, exclude=tuple(tried))
-            if picked is None:
+            pick = self.selector.pick_prefill(len(prompt), hashes, exclude=tuple(tried))
+            if pick is None:
                 detail = f" (tried {', '.join(w.address for w in tried)})" if tried else ""
                 raise PipelineError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker" + detail)
-            worker, cached_blocks = picked
-            route.prefill = worker
+            worker = route.prefill = pick.worker
             touched.append((worker, sample_id))
-            uncached = max(0, len(prompt) - cached_blocks * self.selector.block_size)
+            request.ClearField("prefix_kv")
+            pulled = await self.peer_pulls.lease(sample_id, prompt, pick, request, touched, self.selector.block_size,
+                                                 attempt=len(tried) + busy_retries)
+            held = max(pick.held, pulled)
+            uncached = max(0, len(prompt) - held * self.selector.block_size)
             idle = worker.working == 0 and not (worker.stats and worker.stats.num_waiting_tokens)
             started = asyncio.get_running_loop().time()
             worker.begin_prefill(sample_id, uncached, hashes)
             timed: tuple[int, float] | tuple[None, None] = (None, None)
             try:
                 first = await worker.stub.Prefill(request, timeout=_remaining(deadline))
+                took = asyncio.get_running_loop().time() - started
                 computed = len(prompt) - first.cached_tokens
-                if idle:  # nothing ahead of it: the call's duration is this prompt's prefill
-                    timed = (computed, asyncio.get_running_loop().time() - started)
+                if idle and not pulled:  # nothing ahead of it: the call's duration is this prompt's prefill
+                    timed = (computed, took)
                 if self.selector.metrics is not None:
-                    self.selector.metrics.prefill_tokens.inc(max(0, computed))
+                    self.selector.metrics.observe_prefill_done(computed, pick.predicted_s, took)
                 return first
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:

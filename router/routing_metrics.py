@@ -16,6 +16,9 @@ from router.kv_index import KvIndex
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REJECT_REASONS = ("queue_full", "queue_timeout")
 SKIP_REASONS = ("cached", "slow_link")
+PULL_OUTCOMES = ("leased", "nothing_held", "lease_failed", "holder_gone")
+ERROR_BUCKETS = (-5.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 5.0, 30.0)
 
 
 class RoutingMetrics:
@@ -29,6 +32,21 @@ class RoutingMetrics:
         self.prefill_tokens = Counter("pdserve:router_prefill_tokens",
                                       "Prompt tokens prefill workers computed (not found in their prefix cache)",
                                       registry=registry)
+        self.hits_by_source = Counter("pdserve:router_prefix_hit_blocks_by_source",
+                                      "Prompt blocks the chosen prefill worker did not compute, by where they came "
+                                      "from (local: its own cache, on medium; peer: pulled from another worker's "
+                                      "device)", ["source", "medium"], registry=registry)
+        self.peer_pulls = Counter("pdserve:router_peer_pulls",
+                                  "Peer prefix pulls the router planned, by outcome: leased (the holder holds the "
+                                  "blocks for the puller), nothing_held (evicted meanwhile), lease_failed, "
+                                  "holder_gone; all but leased are computed instead", ["outcome"],
+                                  registry=registry)
+        for outcome in PULL_OUTCOMES:
+            self.peer_pulls.labels(outcome)
+        self.ttft_error = Histogram("pdserve:router_ttft_prediction_error_seconds",
+                                    "Observed minus predicted seconds from a Prefill call to its first token "
+                                    "(the routing policy's prediction for the worker it chose)",
+                                    registry=registry, buckets=ERROR_BUCKETS)
         self.decisions = Counter("pdserve:routing_decisions", "Workers chosen, by role", ["role", "worker"],
                                  registry=registry)
         self.skipped_prefill = Counter("pdserve:remote_prefill_skipped",
@@ -54,10 +72,23 @@ class RoutingMetrics:
         if route.skip_reason:
             self.skipped_prefill.labels(route.skip_reason).inc()
 
-    def observe_prefill(self, worker, prompt_blocks: int, cached_blocks: int) -> None:
+    def observe_prefill(self, worker, prompt_blocks: int, cached_blocks: int, local_media: dict[str, int],
+                        pulled_blocks: int = 0) -> None:
+        """A prefill worker chosen: `cached_blocks` of the prompt held there (`local_media`: by best medium),
+        `pulled_blocks` more planned to come from a peer."""
         self.decisions.labels("prefill", worker.address).inc()
         self.query_blocks.inc(prompt_blocks)
         self.hit_blocks.inc(cached_blocks)
+        for medium, count in local_media.items():
+            if count:
+                self.hits_by_source.labels("local", medium).inc(count)
+        if pulled_blocks:
+            self.hits_by_source.labels("peer", "device").inc(pulled_blocks)
+
+    def observe_prefill_done(self, computed_tokens: int, predicted_s: float, observed_s: float) -> None:
+        self.prefill_tokens.inc(max(0, computed_tokens))
+        if predicted_s > 0:
+            self.ttft_error.observe(observed_s - predicted_s)
 
     def observe_rejection(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

@@ -43,6 +43,20 @@ where `uncached_fraction` is the part of the prompt the worker does not hold
 all of it): a returning conversation goes back to where its context lives.
 Near-ties (within `decode_tie`) are broken the same way as prefill.
 
+Peer pulls (`prefix` with `PullOption`s): a candidate lacking blocks another prefill worker holds on its
+device may pull them instead of computing them (router/README.md, "Peer prefix pulls"):
+
+    pull cost = wait + pull_s + pulled_blocks * block_s + overlap_weight * rest * block_size * token_s
+                + request_s + pollution
+
+`pulled_blocks` the holder's device depth less what the candidate holds, `rest` the prompt blocks past the
+holder's depth, `block_s` the learnt seconds per block on the link into the candidate (`LinkEstimate`, a
+default until learnt) and `pull_s` the fixed cost of a pull (the lease call and the transfer's handshake).
+A candidate's cost is the cheaper of computing and pulling; so the argmin over candidates is the choice
+among *compute here*, *pull then compute here*, and *wait for the holder* (the holder's own cost, its
+queue included). Nothing is tuned: the point where a hot prefix spreads from a busy holder (replicated
+by a pull) is where the holder's queue costs more than a pull, from the learnt speeds.
+
 `round_robin` cycles through the candidates sorted by address; `random` draws.
 """
 from __future__ import annotations
@@ -62,6 +76,33 @@ template's header and the start of the system prompt, where the first block alon
 DEFAULT_TOKEN_S = 0.0009
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TIER_WEIGHTS = {"device": 1.0, "cpu": 0.8, "disk": 0.5}
+DEFAULT_LINK_BYTES_PER_S = 1e9
+"""KV bandwidth between prefill workers until a pull into the candidate has been timed (loopback TCP moves
+several GB/s, a 10 GbE link about 1)."""
+DEFAULT_PULL_S = 0.005
+"""Fixed cost of one peer pull: the LeasePrefix call, the transfer's handshake and grant."""
+
+
+@dataclass
+class PullOption:
+    """Another prefill worker holds a longer prefix of the prompt on its device."""
+
+    holder: str
+    """Its address."""
+    blocks: int
+    """Leading prompt blocks it holds on its device."""
+
+
+@dataclass
+class PrefillPlan:
+    """The policy's plan for one prompt on one prefill candidate."""
+
+    seconds: float
+    """Expected seconds to the first token there."""
+    pollution: float = 0.0
+    """What its copy evicts there, in seconds of recompute (part of the cost, not of the wait)."""
+    pull_blocks: int = 0
+    """Blocks to pull from the candidate's `pull.holder` first (0: compute them)."""
 
 
 @dataclass
@@ -84,6 +125,12 @@ class Candidate:
     """Learnt seconds per uncached prompt token; None: the policy's default."""
     request_s: float | None = None
     """Learnt fixed seconds per request; None: the policy's default."""
+    pull: PullOption | None = None
+    """Prefill: the deepest device copy of the prompt's prefix on another prefill worker (None: none deeper)."""
+    block_s: float | None = None
+    """Prefill: learnt seconds to pull one block into this worker; None: from DEFAULT_LINK_BYTES_PER_S."""
+    block_bytes: int = 0
+    """Bytes of one KV block (0: unknown, no pull considered)."""
 
     @property
     def held(self) -> int:
@@ -221,19 +268,38 @@ class RoutingPolicy:
         return token_s, request_s
 
     def prefill_cost(self, c: Candidate, prompt_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
-        """Expected seconds to the prompt's first token on `c` (plus, for `prefix`, what its copy evicts)."""
+        """Expected seconds to the prompt's first token on `c` (plus, for `prefix`, what its copy evicts),
+        by the cheaper of computing its uncached blocks and pulling those a peer holds."""
+        plan = self.prefill_plan(c, prompt_blocks, block_size)
+        return plan.seconds + plan.pollution
+
+    def prefill_plan(self, c: Candidate, prompt_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PrefillPlan:
         token_s, request_s = self.speeds(c, block_size)
         wait = c.queued_blocks * block_size * token_s + c.running * request_s
         if not self.uses_prefix:
-            return wait
+            return PrefillPlan(wait)
         uncached = max(0, prompt_blocks - c.cached_blocks)
-        compute = self.weights.overlap_weight * uncached * block_size * token_s + request_s
-        cost = wait + compute
+        block_compute_s = self.weights.overlap_weight * block_size * token_s
+        seconds = wait + uncached * block_compute_s + request_s
+        pollution = 0.0
         if c.kv_blocks_total and self.weights.pollution_weight:
             free = c.kv_blocks_total - max(c.kv_blocks_cached, c.kv_blocks_used)
-            evicted = max(0, uncached - free)
-            cost += self.weights.pollution_weight * evicted * block_size * token_s
-        return cost
+            evicted = max(0, uncached - free)  # pulled or computed, the blocks are taken either way
+            pollution = self.weights.pollution_weight * evicted * block_size * token_s
+        pulled = self.pull_blocks(c, prompt_blocks)
+        if pulled:
+            block_s = c.block_s if c.block_s is not None else c.block_bytes / DEFAULT_LINK_BYTES_PER_S
+            with_pull = seconds - pulled * block_compute_s + DEFAULT_PULL_S + pulled * block_s
+            if with_pull < seconds:
+                return PrefillPlan(with_pull, pollution, pulled)
+        return PrefillPlan(seconds, pollution)
+
+    @staticmethod
+    def pull_blocks(c: Candidate, prompt_blocks: int) -> int:
+        """Blocks `c` could pull from its `pull` holder: those the holder has past `c`'s own."""
+        if c.pull is None or not c.block_bytes:
+            return 0
+        return max(0, min(c.pull.blocks, prompt_blocks) - int(c.cached_blocks))
 
     def decode_cost(self, c: Candidate, prompt_blocks: int = 0) -> float:
         cost = c.running + self.weights.kv_weight * c.kv_usage

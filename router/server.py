@@ -51,7 +51,7 @@ class RouterServer:
         self.selector = WorkerSelector(self.pool, self.index, RoutingPolicy(config.routing_policy,
                                                                             config.routing_weights),
                                        self.admission, config.skip_prefill_tokens, self.routing_metrics,
-                                       config.link_aware_prefill)
+                                       config.link_aware_prefill, config.peer_pulls)
         self.pipeline = GenerationPipeline(config, self.selector,
                                            on_migration=lambda reason: self.metrics.migrations.labels(reason).inc())
         self.keys = ApiKeys(config.security.api_key_file)

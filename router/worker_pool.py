@@ -45,7 +45,8 @@ class WorkerClient:
     speed: PrefillSpeed = field(default_factory=PrefillSpeed, repr=False)
     """Prefill: its speed as learnt from this router's calls that found it idle."""
     link: LinkEstimate = field(default_factory=LinkEstimate, repr=False)
-    """Decode: the observed bandwidth of KV pulls into it (router/link_estimate.py)."""
+    """The observed bandwidth of KV pulls into it (router/link_estimate.py): from prefill workers into a decode
+    worker, from its peers into a prefill worker."""
     stats: worker_pb2.WorkerStats | None = None
     last_error: str = ""
     slow_polls: int = 0
@@ -236,6 +237,8 @@ class WorkerPool:
             logger.info("%s worker %s in rotation", worker.role, worker.address)
         if worker.role == "decode":
             worker.link.observe(stats.kv_pull_bytes, stats.kv_pull_seconds)
+        else:  # the peer prefix pulls into it
+            worker.link.observe(stats.peer_pull_bytes, stats.peer_pull_seconds)
         worker.stats = stats
         worker.in_flight_at_poll = worker.in_flight
         worker.healthy = True

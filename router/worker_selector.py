@@ -8,7 +8,9 @@ prompt (its own prefix cache on any medium, as its KV events say: a block in
 its host memory or on its disk is loaded there, not pulled), it prefills the rest
 itself; so it does when the link into it moves KV slower than the prefill pool
 computes it (router/link_estimate.py, with `link_aware_prefill`).
-`pick_prefill` then chooses the prefill worker by the routing policy's cost (uncached prompt blocks, plus load).
+`pick_prefill` then chooses the prefill worker by the routing policy's cost (uncached prompt blocks, plus load),
+and whether it pulls a prefix another prefill worker holds on its device rather than compute it
+(`PrefillPick.pull`; router/README.md, "Peer prefix pulls").
 The costs see cached blocks weighted by the best medium holding them (`KvIndex.weighted_overlap` with
 `RoutingWeights.kv_tier_weights`); the skip decision and the hit counts see blocks held on any medium.
 
@@ -27,7 +29,7 @@ from engine.block_hash import hash_full_blocks
 from router.admission import AdmissionQueue, AdmissionRejected
 from router.kv_index import KvIndex
 from router.link_estimate import remote_prefill_pays
-from router.routing_policy import Candidate, RoutingPolicy, routing_key
+from router.routing_policy import Candidate, PullOption, RoutingPolicy, routing_key
 from router.worker_pool import WorkerClient, WorkerPool
 
 DEFAULT_BLOCK_SIZE = 16
@@ -44,19 +46,32 @@ class Route:
     """Set once a prefill worker is chosen (the last one tried)."""
 
 
+@dataclass
+class PrefillPick:
+    worker: WorkerClient
+    held: int
+    """Leading prompt blocks it holds on any medium, or is computing."""
+    predicted_s: float
+    """The policy's expected seconds to the first token there (0 for policies without a cost)."""
+    pull: PullOption | None = None
+    """Set when it should pull `pull.blocks` leading blocks from `pull.holder` first."""
+
+
 class NoHealthyWorker(Exception):
     """No worker of a needed role is in rotation (as opposed to all being busy)."""
 
 
 class WorkerSelector:
     def __init__(self, pool: WorkerPool, index: KvIndex, policy: RoutingPolicy, admission: AdmissionQueue,
-                 skip_prefill_tokens: int = 0, metrics=None, link_aware: bool = True) -> None:
+                 skip_prefill_tokens: int = 0, metrics=None, link_aware: bool = True,
+                 peer_pulls: bool = True) -> None:
         self.pool = pool
         self.index = index
         self.policy = policy
         self.admission = admission
         self.skip_prefill_tokens = skip_prefill_tokens
         self.link_aware = link_aware
+        self.peer_pulls = peer_pulls
         self.metrics = metrics
         pool.on_change.append(admission.poke)
 
@@ -93,19 +108,41 @@ class WorkerSelector:
         self.admission.poke()
 
     def pick_prefill(self, prompt_len: int, block_hashes: list[int],
-                     exclude: tuple[WorkerClient, ...] = ()) -> tuple[WorkerClient, int] | None:
-        """(prefill worker, leading prompt blocks it already holds on any medium, or is computing),
-        or None when none is healthy."""
+                     exclude: tuple[WorkerClient, ...] = ()) -> PrefillPick | None:
+        """The prefill worker (and whether it pulls a prefix from a peer), or None when none is healthy."""
         workers = [w for w in self.pool.healthy("prefill") if w not in exclude]
         if not workers:
             return None
         roomy = [w for w in workers if w.has_room] or workers  # the worker itself refuses if really full
-        chosen = self.policy.pick_prefill(self._candidates(roomy, block_hashes, in_progress=True),
-                                          len(block_hashes), routing_key(block_hashes), self.block_size)
-        worker = self.pool.get(chosen.address)
+        candidates = self._candidates(roomy, block_hashes, in_progress=True)
+        if self.peer_pulls and self.policy.uses_prefix:
+            self._add_pull_options(candidates, workers, block_hashes[:(prompt_len - 1) // self.block_size])
+        chosen = self.policy.pick_prefill(candidates, len(block_hashes), routing_key(block_hashes), self.block_size)
+        plan = self.policy.prefill_plan(chosen, len(block_hashes), self.block_size)
+        pick = PrefillPick(self.pool.get(chosen.address), chosen.held, plan.seconds if self.policy.uses_prefix else 0.0)
+        pulled = plan.pull_blocks
+        if pulled:
+            pick.pull = PullOption(chosen.pull.holder, int(chosen.cached_blocks) + pulled)
         if self.metrics is not None:
-            self.metrics.observe_prefill(worker, len(block_hashes), chosen.held)
-        return worker, chosen.held
+            media = self.index.best_media(block_hashes[:chosen.held], chosen.address)
+            self.metrics.observe_prefill(pick.worker, len(block_hashes), chosen.held, media, pulled)
+        return pick
+
+    def _add_pull_options(self, candidates: list[Candidate], workers: list[WorkerClient],
+                          block_hashes: list[int]) -> None:
+        """Give each candidate the deepest device copy of the prompt's prefix on another prefill worker."""
+        if not block_hashes:
+            return
+        depths = {w.address: self.index.device_depth(block_hashes, w.address) for w in workers}
+        for c in candidates:
+            worker = self.pool.get(c.address)
+            holder, blocks = max(((a, d) for a, d in depths.items() if a != c.address), key=lambda t: t[1],
+                                 default=(None, 0))
+            if holder is None or blocks <= c.cached_blocks or worker.stats is None:
+                continue
+            c.pull, c.block_bytes = PullOption(holder, blocks), worker.stats.kv_block_bytes
+            if worker.link.bytes_per_s:
+                c.block_s = c.block_bytes / worker.link.bytes_per_s
 
     # ---- internals ------------------------------------------------------
     def _reserve(self, prompt: list[int], block_hashes: list[int],

@@ -36,6 +36,10 @@ class WorkerConfig:
     """Prefill: how long a prompt's blocks wait for a decode worker to pull them."""
     pull_timeout_s: float = field(default=20.0, metadata={"help": "decode: deadline of one KV pull"})
     """Decode: deadline of one KV pull (keep it below the prefill lease)."""
+    peer_pull_timeout_s: float = field(default=2.0, metadata={
+        "help": "prefill: deadline of a peer prefix pull; past it the prefix is computed here"})
+    """Prefill: deadline of pulling a cached prefix from another worker (router/README.md, "Peer prefix
+    pulls"); past it the prefix is computed here instead."""
     max_num_requests: int = field(default=1024, metadata={
         "help": "requests a worker holds at once; more get RESOURCE_EXHAUSTED"})
     """Requests a worker accepts at once (queued + running + transfers); more get RESOURCE_EXHAUSTED."""
@@ -82,7 +86,8 @@ class WorkerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
-        for name in ("lease_s", "pull_timeout_s", "drain_timeout_s", "registry_ttl_s", "grammar_timeout_s"):
+        for name in ("lease_s", "pull_timeout_s", "peer_pull_timeout_s", "drain_timeout_s", "registry_ttl_s",
+                     "grammar_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.pull_timeout_s >= self.lease_s:

@@ -32,17 +32,19 @@ class KVSource:
     peer_info: dict
     transfer_id: str
     block_ids: list[int]
-    first_token_id: int
+    first_token_id: int | None
+    """The prefill worker's first token (None: a prefix pulled by another prefill worker)."""
     capability: str = ""
     """The prefill worker's secret for this transfer (its sender refuses reads without it)."""
 
     @classmethod
-    def from_handle(cls, handle, first_token_id: int) -> KVSource:
-        """Parse a KVHandle; raises InvalidParameter naming the field (the handle is caller input)."""
-        _need(len(handle.capability) <= MAX_TRANSFER_ID_CHARS, "kv.capability", "too long")
-        _need(handle.HasField("peer"), "kv.peer", "missing")
-        return cls(parse_peer(handle.peer), check_transfer_id(handle.transfer_id),
-                   check_block_ids(list(handle.block_ids)), first_token_id, handle.capability)
+    def from_handle(cls, handle, first_token_id: int | None = None, field: str = "kv") -> KVSource:
+        """Parse a KVHandle (the message field `field`); raises InvalidParameter naming the field (the handle
+        is caller input)."""
+        _need(len(handle.capability) <= MAX_TRANSFER_ID_CHARS, f"{field}.capability", "too long")
+        _need(handle.HasField("peer"), f"{field}.peer", "missing")
+        return cls(parse_peer(handle.peer, field), check_transfer_id(handle.transfer_id, field),
+                   check_block_ids(list(handle.block_ids), field), first_token_id, handle.capability)
 
 
 def peer_to_proto(info: dict) -> worker_pb2.KVPeer:
@@ -54,10 +56,10 @@ def peer_to_proto(info: dict) -> worker_pb2.KVPeer:
                              ipc_host=info.get("ipc_host", ""))
 
 
-def parse_peer(peer: worker_pb2.KVPeer) -> dict:
+def parse_peer(peer: worker_pb2.KVPeer, field: str = "kv") -> dict:
     """`kv.peer` checked, as the dict kv_transfer's receiver reads (`KVSender.peer_info()`'s keys; ipc_host
     only when set). Anything else is refused here, before it reaches the engine thread."""
-    name = "kv.peer"
+    name = f"{field}.peer"
     _need(0 < len(peer.host) <= MAX_HOST_CHARS, f"{name}.host", f"must have 1 to {MAX_HOST_CHARS} characters")
     _need(0 < peer.port <= 65535, f"{name}.port", "must be in [1, 65535]")
     _need(len(peer.instance_id) <= MAX_TRANSFER_ID_CHARS, f"{name}.instance_id", "too long")
@@ -76,16 +78,17 @@ def parse_peer(peer: worker_pb2.KVPeer) -> dict:
     return info
 
 
-def check_transfer_id(transfer_id: str) -> str:
-    _need(0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS, "kv.transfer_id",
+def check_transfer_id(transfer_id: str, field: str = "kv") -> str:
+    _need(0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS, f"{field}.transfer_id",
           f"must have 1 to {MAX_TRANSFER_ID_CHARS} characters")
     return transfer_id
 
 
-def check_block_ids(block_ids: list[int]) -> list[int]:
-    _need(bool(block_ids), "kv.block_ids", "empty")
-    _need(all(0 <= b <= MAX_BLOCK_ID for b in block_ids), "kv.block_ids", f"ids must be in [0, {MAX_BLOCK_ID}]")
-    _need(len(set(block_ids)) == len(block_ids), "kv.block_ids", "ids must be distinct")
+def check_block_ids(block_ids: list[int], field: str = "kv") -> list[int]:
+    name = f"{field}.block_ids"
+    _need(bool(block_ids), name, "empty")
+    _need(all(0 <= b <= MAX_BLOCK_ID for b in block_ids), name, f"ids must be in [0, {MAX_BLOCK_ID}]")
+    _need(len(set(block_ids)) == len(block_ids), name, "ids must be distinct")
     return block_ids
 
 

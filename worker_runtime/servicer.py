@@ -1,7 +1,7 @@
-"""The internal Worker gRPC service: Prefill, Decode, Abort, GetStats, the KV event feed.
+"""The internal Worker gRPC service: Prefill, Decode, LeasePrefix, Abort, GetStats, the KV event feed.
 
-Thin: converts messages, admits or refuses, and waits on the engine thread. Prefill and Decode are the
-role's (worker_runtime/role.py); the rest is every worker's. A cancelled call (router gone, client
+Thin: converts messages, admits or refuses, and waits on the engine thread. Prefill, Decode and LeasePrefix
+are the role's (worker_runtime/role.py); the rest is every worker's. A cancelled call (router gone, client
 cancel, deadline) aborts the request.
 """
 from __future__ import annotations
@@ -41,6 +41,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Decode(self, request, context):
         async for response in self.role.decode(self, request, context):
             yield response
+
+    async def LeasePrefix(self, request, context):
+        return await self.role.lease_prefix(self, request, context)
 
     async def Abort(self, request, context):
         found = await self.loop.abort(request.request_id)

@@ -19,6 +19,12 @@ def on_device(hashes: list[int]) -> list[tuple[int, str]]:
     return [(h, "device") for h in hashes]
 
 
+def pick(selector, *args, **kwargs):
+    """(prefill worker, blocks it holds) of a pick."""
+    chosen = selector.pick_prefill(*args, **kwargs)
+    return chosen.worker, chosen.held
+
+
 def make(prefill=("p1:1", "p2:1"), decode=("d1:1",), max_requests=2, skip=32):
     pool = WorkerPool(list(prefill), list(decode))
     for w in pool.workers:
@@ -65,14 +71,14 @@ def test_decode_prefills_itself_when_it_holds_nearly_all_the_prompt():
 def test_prefill_goes_to_the_holder_or_to_the_worker_already_computing_the_prefix():
     pool, index, selector = make()
     index.load_snapshot("p2:1", 1, on_device(HASHES[:3]))
-    assert selector.pick_prefill(len(PROMPT), HASHES) == (pool.get("p2:1"), 3)
+    assert pick(selector, len(PROMPT), HASHES) == (pool.get("p2:1"), 3)
     # A new prefix: nobody holds it, but p1 is prefilling a prompt that starts with it.
     other = hash_full_blocks(list(range(500, 600)), 16)
     pool.get("p1:1").begin_prefill("x", 4, other)  # almost done: little queued ahead
-    assert selector.pick_prefill(100, other) == (pool.get("p1:1"), 6)
-    assert selector.pick_prefill(100, other, exclude=(pool.get("p1:1"),))[0] is pool.get("p2:1")
+    assert pick(selector, 100, other) == (pool.get("p1:1"), 6)
+    assert pick(selector, 100, other, exclude=(pool.get("p1:1"),))[0] is pool.get("p2:1")
     pool.get("p1:1").end_prefill("x")  # done: the prefix is no longer being computed there
-    assert selector.pick_prefill(100, other)[1] == 0
+    assert pick(selector, 100, other)[1] == 0
 
 
 def test_the_ledger_is_balanced_by_its_begin_and_end_calls():
@@ -101,9 +107,9 @@ def test_prefill_leases_are_not_load():
     # that is no prefill work, so the holder of the prefix keeps it.
     holder.stats.num_requests, holder.stats.num_leases = 1, 1
     assert holder.occupancy == 1 and holder.working == 0
-    assert selector.pick_prefill(len(PROMPT), HASHES) == (holder, 3)
+    assert pick(selector, len(PROMPT), HASHES) == (holder, 3)
     holder.stats.num_leases = 0  # a queued request of another router's: real work (8 blocks > 3)
-    assert selector.pick_prefill(len(PROMPT), HASHES)[0] is pool.get("p1:1")
+    assert pick(selector, len(PROMPT), HASHES)[0] is pool.get("p1:1")
 
 
 LONG = list(range(1000, 1640))  # 40 full blocks: a lower tier's discount is more than a near-tie
@@ -116,13 +122,13 @@ def test_a_host_memory_holder_beats_a_miss_and_loses_to_a_device_holder():
     index.load_snapshot("p3:1", 1, on_device(LONG_HASHES))
     cached = {c.address: c.cached_blocks for c in selector._candidates(pool.healthy("prefill"), LONG_HASHES)}
     assert cached == pytest.approx({"p1:1": 0.0, "p2:1": 0.8 * 40, "p3:1": 40.0})
-    assert selector.pick_prefill(len(LONG), LONG_HASHES, exclude=(pool.get("p3:1"),)) == (pool.get("p2:1"), 40)
-    assert selector.pick_prefill(len(LONG), LONG_HASHES) == (pool.get("p3:1"), 40)
+    assert pick(selector, len(LONG), LONG_HASHES, exclude=(pool.get("p3:1"),)) == (pool.get("p2:1"), 40)
+    assert pick(selector, len(LONG), LONG_HASHES) == (pool.get("p3:1"), 40)
     # The same with the two holders' media swapped: the cost decides, not the rendezvous home.
     index.load_snapshot("p2:1", 2, on_device(LONG_HASHES))
     index.load_snapshot("p3:1", 2, [(h, "disk") for h in LONG_HASHES])
-    assert selector.pick_prefill(len(LONG), LONG_HASHES) == (pool.get("p2:1"), 40)
-    assert selector.pick_prefill(len(LONG), LONG_HASHES, exclude=(pool.get("p2:1"),)) == (pool.get("p3:1"), 40)
+    assert pick(selector, len(LONG), LONG_HASHES) == (pool.get("p2:1"), 40)
+    assert pick(selector, len(LONG), LONG_HASHES, exclude=(pool.get("p2:1"),)) == (pool.get("p3:1"), 40)
 
 
 def test_decode_holding_the_prompt_in_host_memory_prefills_it_itself():

@@ -13,7 +13,7 @@ import pytest
 from common.protocol import generate_pb2, worker_pb2
 from decode_worker.role import DecodeRole
 from engine.outputs import SampleDelta
-from prefill_worker.prefill_loop import PrefillResult
+from prefill_worker.prefill_loop import PrefillResult, PrefixLease
 from prefill_worker.role import PrefillRole
 from worker_runtime.config import WorkerConfig
 from worker_runtime.kv_handle import peer_to_proto
@@ -43,9 +43,13 @@ class FakeLoop:
         self.aborted: list[str] = []
         self.calls: list[tuple] = []
 
-    async def prefill(self, rid, prompt, params, lease_s, cache_salt=""):
-        self.calls.append(("prefill", rid, lease_s))
+    async def prefill(self, rid, prompt, params, lease_s, cache_salt="", prefix=None, prefix_tokens=0):
+        self.calls.append(("prefill", rid, lease_s) + ((prefix, prefix_tokens) if prefix is not None else ()))
         return PrefillResult(SampleDelta(rid, 0, [42], "x", num_cached_tokens=16), PEER, "t-" + rid, [3, 4], "cap")
+
+    async def lease_prefix(self, lease_id, token_ids, cache_salt, lease_s):
+        self.calls.append(("lease", lease_id, len(token_ids), cache_salt, lease_s))
+        return PrefixLease(PEER, lease_id, [7, 8], "cap") if token_ids[0] != 0 else None
 
     async def decode(self, rid, prompt, params, source, sink, cache_salt="", resume_token_ids=()):
         self.calls.append(("decode", rid, source))
@@ -186,3 +190,63 @@ def test_an_error_from_the_loop_ends_the_stream_with_its_status():
     with pytest.raises(Aborted) as caught:
         run(call())
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_lease_prefix_answers_a_handle_of_the_blocks_held_or_none():
+    loop = FakeLoop()
+    service = servicer(PrefillRole(), loop, lease_s=30.0)
+    request = worker_pb2.PrefixLeaseRequest(lease_id="r1~pull0", token_ids=list(range(1, 33)), cache_salt="t",
+                                            lease_s=10.0)
+    answer = run(service.LeasePrefix(request, FakeContext()))
+    assert answer.num_tokens == 32 == answer.kv.num_tokens  # two blocks of 16
+    assert (list(answer.kv.block_ids), answer.kv.transfer_id, answer.kv.capability) == ([7, 8], "r1~pull0", "cap")
+    assert answer.kv.peer == peer_to_proto(PEER) and answer.kv.worker_address == "10.0.0.1:7000"
+    assert loop.calls == [("lease", "r1~pull0", 32, "t", 10.0)]
+    request.token_ids[0] = 0  # the fake holds nothing for this one
+    answer = run(service.LeasePrefix(request, FakeContext()))
+    assert answer.num_tokens == 0 and not answer.HasField("kv")
+    with pytest.raises(Aborted) as caught:
+        run(servicer(DecodeRole(), FakeLoop()).LeasePrefix(request, FakeContext()))
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(Aborted) as caught:
+        run(service.LeasePrefix(worker_pb2.PrefixLeaseRequest(token_ids=[1]), FakeContext()))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and "lease_id" in caught.value.details
+
+
+def prefix_handle(num_tokens=16, block_ids=(5,)):
+    return worker_pb2.KVHandle(peer=peer_to_proto(PEER), transfer_id="r1~pull0", block_ids=list(block_ids),
+                               num_tokens=num_tokens, capability="cap")
+
+
+def test_prefill_hands_a_signed_prefix_handle_to_the_loop():
+    from common.cluster_auth import handles
+    loop = FakeLoop()
+    service = servicer(PrefillRole(), loop)
+    service.handle_key = b"k" * 32
+    prompt = list(range(1, 20))
+    handle = prefix_handle()
+    handles.sign(service.handle_key, handle, prompt[:16])
+    run(service.Prefill(prefill_request(prompt_token_ids=prompt, prefix_kv=handle), FakeContext()))
+    (_, rid, _, source, prefix_tokens), = loop.calls
+    assert (rid, prefix_tokens, source.block_ids, source.transfer_id) == ("r1", 16, [5], "r1~pull0")
+    assert source.first_token_id is None and source.peer_info["port"] == 7100
+
+
+@pytest.mark.parametrize(("handle", "signed", "field"), [
+    (prefix_handle(num_tokens=8), True, "prefix_kv.num_tokens"),  # not whole blocks
+    (prefix_handle(num_tokens=32, block_ids=(5, 6)), True, "prefix_kv.num_tokens"),  # past the prompt
+    (prefix_handle(block_ids=(5, 6)), True, "prefix_kv.block_ids"),  # one id per block
+    (prefix_handle(), False, "prefix_kv"),  # not signed by a router
+])
+def test_a_bad_prefix_handle_is_refused_naming_the_field(handle, signed, field):
+    from common.cluster_auth import handles
+    loop = FakeLoop()
+    service = servicer(PrefillRole(), loop)
+    service.handle_key = b"k" * 32
+    prompt = list(range(1, 20))
+    if signed:
+        handles.sign(service.handle_key, handle, prompt[:handle.num_tokens])
+    with pytest.raises(Aborted) as caught:
+        run(service.Prefill(prefill_request(prompt_token_ids=prompt, prefix_kv=handle), FakeContext()))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details.startswith(field)
+    assert loop.calls == []

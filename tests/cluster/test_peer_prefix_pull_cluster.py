@@ -1,0 +1,134 @@
+"""Peer prefix pulls between real prefill worker processes (SmolLM2), over real gRPC and kv_transfer.
+
+One cluster for the module: prefill workers A and B, one decode worker, a router. Checked: the router
+sends a returning prompt to B with a pull when its holder A is busy (B computes only the rest, the output
+is the one A alone gives); called directly, B pulls a prefix A holds and computes the uncached rest with
+the first token A would give; a lease under another tenant's salt finds nothing; an expired lease, and a
+holder killed after its lease was granted, fall back to computing with the same first token; nothing is
+leaked on any live worker.
+"""
+import time
+
+import grpc
+import pytest
+
+from common.protocol import generate_pb2, worker_pb2, worker_pb2_grpc
+from tests.cluster.harness import assert_no_leaks, generate_routed, metric_value, start_cluster, stop_all
+
+BLOCK = 16
+PREFIX = list(range(2000, 2000 + 24 * BLOCK))  # 24 blocks A computes
+PROMPT = PREFIX + list(range(7000, 7000 + 20))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    procs = start_cluster(["prefill", "prefill", "decode"], router_flags=("--skip-prefill-tokens", "0"))
+    yield procs
+    stop_all(procs)
+
+
+def stub(proc):
+    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(proc.address))
+
+
+def prefill(proc, rid, prompt, **fields):
+    """A greedy Prefill call; its lease (no decode worker here) is dropped at once."""
+    response = stub(proc).Prefill(worker_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, params=generate_pb2.SamplingParams(max_tokens=4), **fields),
+        timeout=120)
+    stub(proc).Abort(generate_pb2.AbortRequest(request_id=rid), timeout=10)
+    return response
+
+
+def lease(proc, lease_id, tokens, salt="", lease_s=10.0):
+    return stub(proc).LeasePrefix(worker_pb2.PrefixLeaseRequest(lease_id=lease_id, token_ids=tokens, cache_salt=salt,
+                                                                lease_s=lease_s), timeout=10)
+
+
+def stats(proc):
+    return stub(proc).GetStats(worker_pb2.StatsRequest(), timeout=10)
+
+
+def test_the_router_pulls_from_a_busy_holder(cluster):
+    *_, router = cluster
+    prompt = list(range(30000, 30000 + 30 * BLOCK))
+    first = generate_routed(router, prompt + [5, 6, 7])
+    holder = next(p for p in cluster[:2] if p.address == first["prefill"])
+    other = next(p for p in cluster[:2] if p is not holder)
+    reference = generate_routed(router, prompt + [9, 9, 9])  # the idle holder answers it from its cache
+    assert reference["prefill"] == holder.address and reference["cached"] == 30 * BLOCK
+    # Keep the holder busy: prompts queued on it directly (the router sees them in its stats polls).
+    busy = [stub(holder).Prefill.future(worker_pb2.PrefillRequest(
+        request_id=f"busy-{i}", prompt_token_ids=list(range(40000 + 500 * i, 40000 + 500 * i + 480)),
+        params=generate_pb2.SamplingParams(max_tokens=1)), timeout=300) for i in range(6)]
+    deadline = time.monotonic() + 60
+    while (metric_value(router.metrics_url, "pdserve:worker_num_requests", worker=holder.address) or 0) < 4:
+        assert time.monotonic() < deadline, "the router never saw the holder busy"
+        time.sleep(0.05)
+    moved = generate_routed(router, prompt + [9, 9, 9])
+    for f in busy:
+        f.result()
+    assert moved["prefill"] == other.address
+    assert moved["cached"] == 30 * BLOCK  # pulled, not computed
+    assert moved["tokens"] == reference["tokens"]
+    assert metric_value(router.metrics_url, "pdserve:router_peer_pulls_total", outcome="leased") >= 1
+    assert stats(other).peer_pulls >= 1
+    assert_no_leaks(cluster[:3])
+
+
+def test_b_pulls_what_a_holds_and_computes_the_rest(cluster):
+    a, b = cluster[0], cluster[1]
+    prefill(a, "warm", PREFIX + [1])
+    expected = prefill(a, "ref", PROMPT)  # A's own answer (its cache holds the prefix)
+    before = stats(b)
+    answer = lease(a, "p~pull0", PREFIX)
+    assert answer.num_tokens == len(PREFIX) and len(answer.kv.block_ids) == 24
+    got = prefill(b, "p", PROMPT, prefix_kv=answer.kv)
+    assert list(got.first.token_ids) == list(expected.first.token_ids)
+    assert got.cached_tokens == len(PREFIX)  # B computed only the 20 tokens after it
+    after = stats(b)
+    assert (after.peer_pulls - before.peer_pulls, after.peer_pull_tokens - before.peer_pull_tokens) == (1, 24 * BLOCK)
+    assert after.peer_pull_bytes - before.peer_pull_bytes == 24 * after.kv_block_bytes
+    assert_no_leaks(cluster[:3])
+
+
+def test_a_lease_never_crosses_tenants(cluster):
+    a = cluster[0]
+    prefill(a, "salted", PREFIX + [2], cache_salt="tenant-a")
+    assert lease(a, "x~pull0", PREFIX, salt="tenant-b").num_tokens == 0
+    answer = lease(a, "y~pull0", PREFIX, salt="tenant-a")
+    assert answer.num_tokens == len(PREFIX)
+    stub(a).Abort(generate_pb2.AbortRequest(request_id="y~pull0"), timeout=10)
+    assert_no_leaks(cluster[:3])
+
+
+def test_an_expired_lease_falls_back_to_computing(cluster):
+    a, b = cluster[0], cluster[1]
+    prompt = list(range(9000, 9000 + 10 * BLOCK + 5))
+    prefill(a, "warm-e", prompt[:10 * BLOCK] + [1])
+    expected = prefill(a, "ref-e", prompt)
+    answer = lease(a, "e~pull0", prompt[:10 * BLOCK], lease_s=0.2)
+    deadline = time.monotonic() + 30
+    while stats(a).num_leases:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    before = stats(b)
+    got = prefill(b, "e", prompt, prefix_kv=answer.kv)
+    assert list(got.first.token_ids) == list(expected.first.token_ids) and got.cached_tokens == 0
+    assert stats(b).peer_pull_fallbacks == before.peer_pull_fallbacks + 1
+    assert_no_leaks(cluster[:3])
+
+
+def test_a_killed_holder_falls_back_to_computing(cluster):
+    """Last: it kills worker A."""
+    a, b = cluster[0], cluster[1]
+    prompt = list(range(11000, 11000 + 12 * BLOCK + 3))
+    prefill(a, "warm-k", prompt[:12 * BLOCK] + [1])
+    expected = prefill(a, "ref-k", prompt)
+    answer = lease(a, "k~pull0", prompt[:12 * BLOCK])
+    a.kill()
+    before = stats(b)
+    got = prefill(b, "k", prompt, prefix_kv=answer.kv)
+    assert list(got.first.token_ids) == list(expected.first.token_ids) and got.cached_tokens == 0
+    assert stats(b).peer_pull_fallbacks == before.peer_pull_fallbacks + 1
+    assert_no_leaks(cluster[1:3])

@@ -1,0 +1,89 @@
+"""The router's half of a peer pull (router/peer_pulls.py) against a fake holder: no network.
+
+Checked: a lease goes into the Prefill request signed over the prefix's tokens and joins the sample's
+touched list (a failing sample aborts it on the holder); a holder that holds nothing any more (evicted),
+answers with an error, or left rotation leaves the request as it was, so the worker computes the prefix.
+"""
+import asyncio
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from common.cluster_auth import handles
+from common.protocol import worker_pb2
+from router.kv_index import KvIndex
+from router.peer_pulls import PeerPulls
+from router.routing_metrics import RoutingMetrics
+from router.routing_policy import PullOption
+from router.worker_pool import WorkerPool
+from router.worker_selector import PrefillPick
+
+BLOCK = 16
+PROMPT = list(range(100, 100 + 5 * BLOCK + 3))
+KEY = b"k" * 32
+
+
+class FakeError(grpc.aio.AioRpcError):
+    def __init__(self):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+
+
+class FakeHolder:
+    def __init__(self, answer):
+        self.answer = answer
+        self.calls = []
+
+    async def LeasePrefix(self, request, timeout=None):  # noqa: N802 - the gRPC method's name
+        self.calls.append(request)
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def setup(answer, healthy=True):
+    pool = WorkerPool(["a:1", "b:1"], [])
+    holder = pool.get("a:1")
+    holder.healthy, holder.stub = healthy, FakeHolder(answer)
+    metrics = RoutingMetrics(CollectorRegistry(), KvIndex(), lambda: 0)
+    pulls = PeerPulls(pool, metrics)
+    pulls.handle_key = KEY
+    pick = PrefillPick(pool.get("b:1"), 1, 0.1, PullOption("a:1", 4))
+    return pulls, pick, holder, metrics
+
+
+def run(pulls, pick):
+    request = worker_pb2.PrefillRequest(request_id="s", prompt_token_ids=PROMPT, cache_salt="t")
+    touched = []
+    blocks = asyncio.run(pulls.lease("s", PROMPT, pick, request, touched, BLOCK))
+    return blocks, request, touched
+
+
+def outcome(metrics, name):
+    return metrics.peer_pulls.labels(name)._value.get()
+
+
+def test_a_lease_is_signed_into_the_request_and_touched():
+    kv = worker_pb2.KVHandle(transfer_id="s~pull0", block_ids=[7, 8, 9, 10], num_tokens=4 * BLOCK,
+                             worker_address="a:1", capability="cap")
+    pulls, pick, holder, metrics = setup(worker_pb2.PrefixLeaseResponse(kv=kv, num_tokens=4 * BLOCK))
+    blocks, request, touched = run(pulls, pick)
+    assert blocks == 4 and request.prefix_kv.transfer_id == "s~pull0"
+    (call,) = holder.stub.calls
+    assert (call.lease_id, list(call.token_ids), call.cache_salt) == ("s~pull0", PROMPT[:4 * BLOCK], "t")
+    assert handles.verify(KEY, request.prefix_kv, PROMPT[:4 * BLOCK])
+    assert not handles.verify(KEY, request.prefix_kv, PROMPT[:5 * BLOCK])
+    assert touched == [(holder, "s~pull0")]
+    assert outcome(metrics, "leased") == 1
+
+
+@pytest.mark.parametrize(("answer", "healthy", "name"), [
+    (worker_pb2.PrefixLeaseResponse(num_tokens=0), True, "nothing_held"),  # evicted since its last event
+    (FakeError(), True, "lease_failed"),
+    (worker_pb2.PrefixLeaseResponse(num_tokens=0), False, "holder_gone"),
+])
+def test_no_lease_leaves_the_request_to_compute_the_prefix(answer, healthy, name):
+    pulls, pick, holder, metrics = setup(answer, healthy)
+    blocks, request, touched = run(pulls, pick)
+    assert blocks == 0 and not request.HasField("prefix_kv") and touched == []
+    assert outcome(metrics, name) == 1 and outcome(metrics, "leased") == 0
