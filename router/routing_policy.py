@@ -51,7 +51,8 @@ device may pull them instead of computing them (router/README.md, "Peer prefix p
 
 `pulled_blocks` the holder's device depth less what the candidate holds, `rest` the prompt blocks past the
 holder's depth, `block_s` the learnt seconds per block on the link into the candidate (`LinkEstimate`, a
-default until learnt) and `pull_s` the fixed cost of a pull (the lease call and the transfer's handshake).
+default until learnt) and `pull_s` the fixed cost of a pull: the transfer's handshake, plus the holder's
+learnt lease latency (it answers between two of its engine steps, so a busy holder answers later).
 A candidate's cost is the cheaper of computing and pulling; so the argmin over candidates is the choice
 among *compute here*, *pull then compute here*, and *wait for the holder* (the holder's own cost, its
 queue included). Nothing is tuned: the point where a hot prefix spreads from a busy holder (replicated
@@ -91,6 +92,8 @@ class PullOption:
     """Its address."""
     blocks: int
     """Leading prompt blocks it holds on its device."""
+    lease_s: float = 0.0
+    """How long its LeasePrefix calls take (learnt: the holder answers between two of its engine steps)."""
 
 
 @dataclass
@@ -289,7 +292,7 @@ class RoutingPolicy:
         pulled = self.pull_blocks(c, prompt_blocks)
         if pulled:
             block_s = c.block_s if c.block_s is not None else c.block_bytes / DEFAULT_LINK_BYTES_PER_S
-            with_pull = seconds - pulled * block_compute_s + DEFAULT_PULL_S + pulled * block_s
+            with_pull = seconds - pulled * block_compute_s + DEFAULT_PULL_S + c.pull.lease_s + pulled * block_s
             if with_pull < seconds:
                 return PrefillPlan(with_pull, pollution, pulled)
         return PrefillPlan(seconds, pollution)

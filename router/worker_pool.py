@@ -47,6 +47,8 @@ class WorkerClient:
     link: LinkEstimate = field(default_factory=LinkEstimate, repr=False)
     """The observed bandwidth of KV pulls into it (router/link_estimate.py): from prefill workers into a decode
     worker, from its peers into a prefill worker."""
+    lease_s: float = 0.0
+    """Prefill: how long its LeasePrefix calls take, an exponentially weighted average (router/peer_pulls.py)."""
     stats: worker_pb2.WorkerStats | None = None
     last_error: str = ""
     slow_polls: int = 0

@@ -122,7 +122,7 @@ class WorkerSelector:
         pick = PrefillPick(self.pool.get(chosen.address), chosen.held, plan.seconds if self.policy.uses_prefix else 0.0)
         pulled = plan.pull_blocks
         if pulled:
-            pick.pull = PullOption(chosen.pull.holder, int(chosen.cached_blocks) + pulled)
+            pick.pull = PullOption(chosen.pull.holder, int(chosen.cached_blocks) + pulled, chosen.pull.lease_s)
         if self.metrics is not None:
             media = self.index.best_media(block_hashes[:chosen.held], chosen.address)
             self.metrics.observe_prefill(pick.worker, len(block_hashes), chosen.held, media, pulled)
@@ -140,7 +140,8 @@ class WorkerSelector:
                                  default=(None, 0))
             if holder is None or blocks <= c.cached_blocks or worker.stats is None:
                 continue
-            c.pull, c.block_bytes = PullOption(holder, blocks), worker.stats.kv_block_bytes
+            c.pull = PullOption(holder, blocks, self.pool.get(holder).lease_s)
+            c.block_bytes = worker.stats.kv_block_bytes
             if worker.link.bytes_per_s:
                 c.block_s = c.block_bytes / worker.link.bytes_per_s
 

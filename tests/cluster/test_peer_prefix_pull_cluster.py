@@ -33,9 +33,9 @@ def stub(proc):
 
 def prefill(proc, rid, prompt, **fields):
     """A greedy Prefill call; its lease (no decode worker here) is dropped at once."""
-    response = stub(proc).Prefill(worker_pb2.PrefillRequest(
-        request_id=rid, prompt_token_ids=prompt, params=generate_pb2.SamplingParams(max_tokens=4), **fields),
-        timeout=120)
+    greedy = generate_pb2.SamplingParams(max_tokens=4, temperature=0.0)
+    response = stub(proc).Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=greedy,
+                                                            **fields), timeout=120)
     stub(proc).Abort(generate_pb2.AbortRequest(request_id=rid), timeout=10)
     return response
 

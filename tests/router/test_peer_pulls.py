@@ -40,6 +40,9 @@ class FakeHolder:
             raise self.answer
         return self.answer
 
+    async def Abort(self, request, timeout=None):  # noqa: N802
+        self.calls.append(request)
+
 
 def setup(answer, healthy=True):
     pool = WorkerPool(["a:1", "b:1"], [])
@@ -55,8 +58,12 @@ def setup(answer, healthy=True):
 def run(pulls, pick):
     request = worker_pb2.PrefillRequest(request_id="s", prompt_token_ids=PROMPT, cache_salt="t")
     touched = []
-    blocks = asyncio.run(pulls.lease("s", PROMPT, pick, request, touched, BLOCK))
-    return blocks, request, touched
+
+    async def lease():
+        blocks = await pulls.lease("s", PROMPT, pick, request, touched, BLOCK)
+        await asyncio.gather(*pulls._aborts)
+        return blocks
+    return asyncio.run(lease()), request, touched
 
 
 def outcome(metrics, name):
@@ -87,3 +94,5 @@ def test_no_lease_leaves_the_request_to_compute_the_prefix(answer, healthy, name
     blocks, request, touched = run(pulls, pick)
     assert blocks == 0 and not request.HasField("prefix_kv") and touched == []
     assert outcome(metrics, name) == 1 and outcome(metrics, "leased") == 0
+    if name == "lease_failed":  # it may still grant it: the lease is aborted by its id
+        assert [c.request_id for c in holder.stub.calls[1:]] == ["s~pull0"]
