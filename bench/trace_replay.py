@@ -2,8 +2,9 @@
 
 For each policy a fresh cluster of real processes (no policy inherits a warm cache): --prefill prefill and
 --decode decode workers (SmolLM2, float32, --num-threads 1 each) behind a router, then the trace slice
-(--sessions conversations in trace order, each hash id as --block-tokens random token ids, later turns sent
-only after the previous turn answered) replayed at --concurrency in trace order. Every worker's KV cache
+(the first --sessions conversations of at least --min-turns turns, each hash id as --block-tokens random
+token ids, later turns sent only after the previous turn answered) replayed at --concurrency in trace
+order. Every worker's KV cache
 holds --kv-fraction of the slice's distinct 16-token blocks, so where a turn goes decides whether its
 history is a cache hit.
 
@@ -36,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from loadtest.config import DatasetConfig  # noqa: E402
 from loadtest.prefix import block_keys  # noqa: E402
 from loadtest.trace import trace_prompts  # noqa: E402
-from tests.cluster.harness import metric_value, start_cluster, stop_all  # noqa: E402
+from tests.cluster.harness import generate_routed, metric_value, start_cluster, stop_all  # noqa: E402
 
 POLICIES = ("prefix", "prefix-no-pull", "round_robin", "least_loaded")
 BLOCK_BYTES_FP32 = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2: layers x K/V x block x KV heads x head dim x 4 bytes
@@ -45,7 +46,7 @@ BLOCK_BYTES_FP32 = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2: layers x K/V x block x K
 def slice_figures(args) -> dict:
     """The slice's prompts: count, tokens, distinct blocks and the ideal hit ratio."""
     config = DatasetConfig(name="mooncake", path=args.trace, trace_block_tokens=args.block_tokens,
-                           trace_sessions=args.sessions)
+                           trace_sessions=args.sessions, trace_min_turns=args.min_turns)
     prompts = trace_prompts(config, 10**9, args.seed)
     seen: set[int] = set()
     total = cached = 0
@@ -61,20 +62,31 @@ def slice_figures(args) -> dict:
             "ideal_cached_tokens": cached, "ideal_computed_tokens": total - cached}
 
 
+def warm_up(router, count: int) -> None:
+    """A few short unrelated prompts first, so no worker's first-ever step (allocation, kernel selection)
+    lands in the measured TTFTs."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(count) as pool:
+        list(pool.map(lambda i: generate_routed(router, list(range(45000 + 100 * i, 45000 + 100 * i + 40))),
+                      range(2 * count)))
+
+
 def run_policy(policy: str, args, kv_gib: float) -> dict:
     routing = ["--routing-policy", "prefix" if policy.startswith("prefix") else policy,
                "--skip-prefill-tokens", "0"]  # every prompt goes through the prefill pool's routing
     if policy == "prefix-no-pull":
         routing.append("--no-peer-pulls")
     procs = start_cluster(["prefill"] * args.prefill + ["decode"] * args.decode, "--kv-cache-memory-gib",
-                          f"{kv_gib:.4f}", router_flags=tuple(routing), route_metadata=False, timeout=120)
+                          f"{kv_gib:.4f}", router_flags=tuple(routing), timeout=120)
     router = procs[-1]
     try:
+        warm_up(router, args.prefill + args.decode)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "run.json"
             subprocess.run([sys.executable, "-m", "pdserve.cli", "loadtest", "--url", router.address,
                             "--dataset", f"mooncake:{args.trace}", "--trace-block-tokens", str(args.block_tokens),
-                            "--trace-sessions", str(args.sessions), "--max-concurrency", str(args.concurrency),
+                            "--trace-sessions", str(args.sessions), "--trace-min-turns", str(args.min_turns),
+                            "--max-concurrency", str(args.concurrency),
                             "--trace-max-output-len", str(args.max_output_len), "--seed", str(args.seed),
                             "--no-progress", "--output", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
             run = json.loads(out.read_text())
@@ -126,6 +138,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, help="Mooncake/AIPerf trace JSONL (the user's file)")
     p.add_argument("--sessions", type=int, default=60, help="the first N conversations of the trace")
+    p.add_argument("--min-turns", type=int, default=1, help="only conversations of at least this many turns")
     p.add_argument("--block-tokens", type=int, default=16, help="token ids per trace hash id")
     p.add_argument("--concurrency", type=int, default=3)
     p.add_argument("--prefill", type=int, default=2)

@@ -62,6 +62,8 @@ def _add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-max-output-len", type=int, default=None, help="mooncake: cap on output lengths")
     p.add_argument("--trace-sessions", type=int, default=None, metavar="K",
                    help="mooncake: replay every turn of the first K sessions (instead of --num-prompts requests)")
+    p.add_argument("--trace-min-turns", type=int, default=1, metavar="T",
+                   help="mooncake, with --trace-sessions: only sessions of at least T requests (2: conversations)")
     p.add_argument("--trace-schedule", choices=("fixed", "order"), default=None,
                    help="mooncake: fixed = at the trace's timestamps; order = in trace order at --max-concurrency "
                         "(default: order with --max-concurrency, else fixed)")
@@ -77,7 +79,7 @@ def config_from_args(args: argparse.Namespace, url: str | None = None) -> LoadTe
         sharegpt_output_len=args.sharegpt_output_len, model=args.model,
         trace_block_tokens=args.trace_block_tokens, trace_source_block_tokens=args.trace_source_block_tokens,
         trace_output_scale=args.trace_output_scale, trace_max_output_len=args.trace_max_output_len,
-        trace_sessions=args.trace_sessions)
+        trace_sessions=args.trace_sessions, trace_min_turns=args.trace_min_turns)
     return LoadTestConfig(url=url or args.url, dataset=dataset, num_prompts=args.num_prompts,
                           request_rate=args.request_rate, burstiness=args.burstiness,
                           rate_schedule=parse_schedule(args.rate_schedule) if args.rate_schedule else (),

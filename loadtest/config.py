@@ -60,6 +60,8 @@ class DatasetConfig:
     """mooncake: cap on the output length."""
     trace_sessions: int | None = None
     """mooncake: replay every turn of the first this many sessions (instead of the first num_prompts requests)."""
+    trace_min_turns: int = 1
+    """mooncake, with trace_sessions: only sessions of at least this many requests (2: conversations)."""
 
     @property
     def is_trace(self) -> bool:
@@ -73,6 +75,10 @@ class DatasetConfig:
         for name in ("trace_block_tokens", "trace_source_block_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.trace_min_turns < 1:
+            raise ValueError("trace_min_turns must be >= 1")
+        if self.trace_min_turns > 1 and self.trace_sessions is None:
+            raise ValueError("trace_min_turns picks sessions: give trace_sessions (--trace-sessions K)")
         for name in ("trace_max_output_len", "trace_sessions"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

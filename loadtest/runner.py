@@ -37,7 +37,8 @@ def settings(config: LoadTestConfig) -> dict:
 
 def _trace_settings(config: LoadTestConfig) -> dict:
     d = config.dataset
-    chosen = {"sessions": d.trace_sessions} if d.trace_sessions else {"first_requests": config.num_prompts}
+    chosen = ({"sessions": d.trace_sessions, "min_turns": d.trace_min_turns} if d.trace_sessions
+              else {"first_requests": config.num_prompts})
     return {"trace_slice": chosen, "trace_schedule": config.trace_schedule, "trace_time_scale": config.trace_time_scale,
             "trace_block_tokens": d.trace_block_tokens, "trace_source_block_tokens": d.trace_source_block_tokens,
             "trace_output_scale": d.trace_output_scale, "trace_max_output_len": d.trace_max_output_len}

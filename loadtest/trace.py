@@ -138,15 +138,19 @@ def with_sessions(requests: list[TraceRequest], source_block_tokens: int = 512) 
     return out
 
 
-def select(requests: list[TraceRequest], num_prompts: int, num_sessions: int | None = None) -> list[TraceRequest]:
-    """The first `num_prompts` requests, or with `num_sessions` every turn of the first that many sessions."""
+def select(requests: list[TraceRequest], num_prompts: int, num_sessions: int | None = None,
+           min_turns: int = 1) -> list[TraceRequest]:
+    """The first `num_prompts` requests, or with `num_sessions` every turn of the first that many sessions of
+    at least `min_turns` requests."""
     if num_sessions is None:
         return requests[:num_prompts]
+    turns = Counter(r.session_id for r in requests)
     chosen: set[str | None] = set()
     for req in requests:
         if len(chosen) == num_sessions:
             break
-        chosen.add(req.session_id)
+        if turns[req.session_id] >= min_turns:
+            chosen.add(req.session_id)
     return [r for r in requests if r.session_id in chosen]
 
 
@@ -202,7 +206,7 @@ def trace_prompts(config: DatasetConfig, num_prompts: int, seed: int) -> list[Pr
     """The selected slice of the trace as prompts, in trace order."""
     requests = with_sessions(read_trace(config.path), config.trace_source_block_tokens)
     mapper = TokenMapper(config, seed)
-    return [mapper.prompt(r) for r in select(requests, num_prompts, config.trace_sessions)]
+    return [mapper.prompt(r) for r in select(requests, num_prompts, config.trace_sessions, config.trace_min_turns)]
 
 
 def trace_offsets(prompts: list[Prompt], time_scale: float = 1.0) -> list[float]:

@@ -94,6 +94,11 @@ def test_slice_is_the_first_requests_or_every_turn_of_the_first_sessions(tmp_pat
     assert [r.line for r in select(requests, 3)] == [1, 2, 3]
     assert [r.line for r in select(requests, 100, num_sessions=2)] == [1, 2, 3, 4, 5]
     assert [r.line for r in select(requests, 1, num_sessions=3)] == [1, 2, 3, 4, 5, 6]
+    # conversations only: line-1 (3 turns) and line-2 (2); the one-request sessions are skipped
+    assert [r.line for r in select(requests, 1, num_sessions=3, min_turns=2)] == [1, 2, 3, 4, 5]
+    assert [r.line for r in select(requests, 1, num_sessions=1, min_turns=3)] == [1, 3, 4]
+    with pytest.raises(ValueError, match="give trace_sessions"):
+        mooncake(write_trace(tmp_path, CONVERSATIONS), trace_min_turns=2)
     prompts = load_prompts(mooncake(write_trace(tmp_path, CONVERSATIONS), trace_sessions=2), 1, 0)
     assert [(p.session_id, p.turn) for p in prompts] == [("line-1", 0), ("line-2", 0), ("line-1", 1),
                                                           ("line-1", 2), ("line-2", 1)]

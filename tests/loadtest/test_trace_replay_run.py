@@ -92,7 +92,8 @@ def test_cli_trace_run_writes_hit_ratios_per_turn_and_per_request_fields(fake, t
     assert "Prefix hit ratio (%):" in table and "Ideal prefix hit ratio (%):" in table
     assert "By turn of a session" in table and "3+" in table
     data = json.loads(out.read_text())
-    assert data["trace_slice"] == {"sessions": 2} and data["num_prompts"] == 8 and data["num_sessions"] == 2
+    assert data["trace_slice"] == {"sessions": 2, "min_turns": 1}
+    assert data["num_prompts"] == 8 and data["num_sessions"] == 2
     assert data["completed"] == 8 and data["dataset_name"] == "mooncake"
     assert data["prefix_hit_ratio"] == pytest.approx(data["ideal_prefix_hit_ratio"])
     assert list(data["per_turn"]) == ["0", "1", "2", "3+"]
