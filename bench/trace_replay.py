@@ -88,7 +88,9 @@ def run_policy(policy: str, args, kv_gib: float) -> dict:
                             "--trace-sessions", str(args.sessions), "--trace-min-turns", str(args.min_turns),
                             "--max-concurrency", str(args.concurrency),
                             "--trace-max-output-len", str(args.max_output_len), "--seed", str(args.seed),
-                            "--no-progress", "--output", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                            "--no-progress", "--output", str(out),
+                            *(["--save-requests", f"{args.output}.{policy}.requests.jsonl"] if args.output else [])],
+                           check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
             run = json.loads(out.read_text())
         url = router.metrics_url
         computed = metric_value(url, "pdserve:router_prefill_tokens_total") or 0.0

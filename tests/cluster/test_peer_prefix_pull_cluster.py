@@ -102,33 +102,31 @@ def test_a_lease_never_crosses_tenants(cluster):
     assert_no_leaks(cluster[:3])
 
 
-def test_an_expired_lease_falls_back_to_computing(cluster):
+def assert_falls_back(cluster, name, blocks, break_lease, lease_s=10.0):
+    """A holds `blocks` blocks of a prompt and leases them; `break_lease(a, lease)` breaks the lease; B, given
+    the broken lease, computes the whole prompt with the first token A gives, and counts a fallback."""
     a, b = cluster[0], cluster[1]
-    prompt = list(range(9000, 9000 + 10 * BLOCK + 5))
-    prefill(a, "warm-e", prompt[:10 * BLOCK] + [1])
-    expected = prefill(a, "ref-e", prompt)
-    answer = lease(a, "e~pull0", prompt[:10 * BLOCK], lease_s=0.2)
-    deadline = time.monotonic() + 30
-    while stats(a).num_leases:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    prompt = list(range(9000 + 1000 * blocks, 9000 + 1000 * blocks + blocks * BLOCK + 5))
+    prefill(a, f"warm-{name}", prompt[:blocks * BLOCK] + [1])
+    expected = prefill(a, f"ref-{name}", prompt)
+    answer = lease(a, f"{name}~pull0", prompt[:blocks * BLOCK], lease_s=lease_s)
+    break_lease(a)
     before = stats(b)
-    got = prefill(b, "e", prompt, prefix_kv=answer.kv)
+    got = prefill(b, name, prompt, prefix_kv=answer.kv)
     assert list(got.first.token_ids) == list(expected.first.token_ids) and got.cached_tokens == 0
     assert stats(b).peer_pull_fallbacks == before.peer_pull_fallbacks + 1
-    assert_no_leaks(cluster[:3])
+    assert_no_leaks([w for w in cluster[:3] if w.alive])
+
+
+def test_an_expired_lease_falls_back_to_computing(cluster):
+    def expire(a):
+        deadline = time.monotonic() + 30
+        while stats(a).num_leases:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert_falls_back(cluster, "e", 10, expire, lease_s=0.2)
 
 
 def test_a_killed_holder_falls_back_to_computing(cluster):
     """Last: it kills worker A."""
-    a, b = cluster[0], cluster[1]
-    prompt = list(range(11000, 11000 + 12 * BLOCK + 3))
-    prefill(a, "warm-k", prompt[:12 * BLOCK] + [1])
-    expected = prefill(a, "ref-k", prompt)
-    answer = lease(a, "k~pull0", prompt[:12 * BLOCK])
-    a.kill()
-    before = stats(b)
-    got = prefill(b, "k", prompt, prefix_kv=answer.kv)
-    assert list(got.first.token_ids) == list(expected.first.token_ids) and got.cached_tokens == 0
-    assert stats(b).peer_pull_fallbacks == before.peer_pull_fallbacks + 1
-    assert_no_leaks(cluster[1:3])
+    assert_falls_back(cluster, "k", 12, lambda a: a.kill())

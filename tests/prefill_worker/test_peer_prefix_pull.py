@@ -72,6 +72,16 @@ def prompts():
     return shared, shared + list(range(3000, 3000 + 2 * BLOCK + 3))
 
 
+async def warmed(a, b):
+    """A caches the shared prefix; B's answer to the whole prompt computed alone is the reference (its
+    cache is emptied after)."""
+    shared, prompt = prompts()
+    await a.prefill("warm", shared + [7])
+    expected = (await b.prefill("alone", prompt)).token_ids
+    await b.loop.call(b.engine.kv.pool.reset_prefix_cache)
+    return shared, prompt, expected
+
+
 async def lease(holder, lease_id, prefix, salt=""):
     held = await holder.loop.lease_prefix(lease_id, prefix, salt, lease_s=10.0)
     return held and KVSource(held.peer_info, held.transfer_id, held.block_ids, None, held.capability)
@@ -79,11 +89,7 @@ async def lease(holder, lease_id, prefix, salt=""):
 
 def test_b_pulls_the_prefix_a_holds_and_computes_only_the_rest(run):
     async def body(a, b):
-        shared, prompt = prompts()
-        await a.prefill("warm", shared + [7])
-        expected = (await b.prefill("alone", prompt)).token_ids  # B computes it all: the reference
-        await b.loop.call(b.engine.kv.pool.reset_prefix_cache)
-
+        shared, prompt, expected = await warmed(a, b)
         source = await lease(a, "p1~pull", shared)
         assert len(source.block_ids) == 5
         first = await b.prefill("p1", prompt, prefix=source, prefix_tokens=len(shared))
@@ -113,10 +119,7 @@ def test_b_pulls_only_the_blocks_it_lacks(run):
 @pytest.mark.parametrize("failure", ["lease_aborted", "holder_gone"])
 def test_a_failed_pull_computes_the_prefix_with_the_same_first_token(run, failure):
     async def body(a, b):
-        shared, prompt = prompts()
-        await a.prefill("warm", shared + [7])
-        expected = (await b.prefill("alone", prompt)).token_ids
-        await b.loop.call(b.engine.kv.pool.reset_prefix_cache)
+        shared, prompt, expected = await warmed(a, b)
         source = await lease(a, "p~pull", shared)
         if failure == "lease_aborted":  # as when it expired: the holder freed the blocks
             assert await a.loop.abort("p~pull")
@@ -134,10 +137,7 @@ def test_a_failed_pull_computes_the_prefix_with_the_same_first_token(run, failur
 
 def test_no_room_to_pull_into_computes_the_prefix_once_blocks_free_up(run):
     async def body(a, b):
-        shared, prompt = prompts()
-        await a.prefill("warm", shared + [7])
-        expected = (await b.prefill("alone", prompt)).token_ids
-        await b.loop.call(b.engine.kv.pool.reset_prefix_cache)
+        shared, prompt, expected = await warmed(a, b)
         free = await b.loop.call(lambda: b.engine.kv.pool.num_free_blocks)
         await b.loop.prefill("hog", list(range(5000, 5000 + (free - 3) * BLOCK)), GREEDY, lease_s=10.0)
         source = await lease(a, "p~pull", shared)  # 5 blocks: B has 3 free
