@@ -247,6 +247,11 @@ class PrefillSpeed:
         """Whether `token_s` was measured (a long call seen), not the prior."""
         return self._seen_long
 
+    @property
+    def knows_request_s(self) -> bool:
+        """Whether `request_s` was measured (a short call seen), not the prior."""
+        return self._seen_short
+
     def estimate(self) -> tuple[float, float]:
         """(token_s, request_s)."""
         return self.token_s, self.request_s

@@ -23,6 +23,7 @@ worker before the first event arrives.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from engine.block_hash import hash_full_blocks
@@ -188,21 +189,59 @@ class WorkerSelector:
             depth, weighted = {}, {}
         out = []
         block_size = self.block_size
+        speeds = self._speeds()
         for w in workers:
             s = w.stats
-            queued = max(w.pending_tokens, s.num_waiting_tokens if s else 0)
+            queued, running = _load_now(w)
             held, cached = depth.get(w.address, 0), weighted.get(w.address, 0.0)
             if in_progress and self.policy.uses_prefix:
                 # A prefix being computed there will be on its device: counts as device blocks.
                 computing = max((_common_prefix(block_hashes, p) for p in w.pending_prompts.values()), default=0)
                 held, cached = max(held, computing), max(cached, float(computing))
-            token_s, request_s = w.speed.estimate() if w.role == "prefill" else (None, None)
+            token_s, request_s = speeds(w) if w.role == "prefill" else (None, None)
             out.append(Candidate(w.address, queued_blocks=queued / block_size,
-                                 running=w.working, kv_blocks_used=s.kv_blocks_used if s else 0,
+                                 running=running, kv_blocks_used=s.kv_blocks_used if s else 0,
                                  kv_blocks_total=s.kv_blocks_total if s else 0, cached_blocks=cached,
                                  held_blocks=held, kv_blocks_cached=self.index.num_blocks(w.address),
                                  token_s=token_s, request_s=request_s))
         return out
+
+
+    def _speeds(self):
+        """A prefill worker's (token_s, request_s): its own learnt figures, and until it has them its learnt
+        peers' mean (the same model on the same kind of machine), else None for the policy's default. A
+        prior far from the truth would otherwise make an unmeasured worker look slower than its measured
+        peers, so they would take its prefixes (pulled or computed) and it would never be measured."""
+        known = [w.speed for w in self.pool.healthy("prefill")]
+        token = [s.token_s for s in known if s.knows_token_s]
+        request = [s.request_s for s in known if s.knows_request_s]
+        token_s = sum(token) / len(token) if token else None
+        request_s = sum(request) / len(request) if request else None
+
+        def speeds(w: WorkerClient) -> tuple[float | None, float | None]:
+            return (w.speed.token_s if w.speed.knows_token_s else token_s,
+                    w.speed.request_s if w.speed.knows_request_s else request_s)
+        return speeds
+
+
+def _load_now(w: WorkerClient) -> tuple[float, int]:
+    """(prompt tokens waiting, requests at work) on the worker now. This router's own calls are known
+    exactly; others' work only from polls up to a health interval old, so for a prefill worker what the
+    last poll saw is taken as drained at its learnt speed since (queued tokens, then requests): taken at
+    face value, work long finished would send a returning prompt away from its holder."""
+    s = w.stats
+    queued = float(s.num_waiting_tokens) if s is not None else 0.0
+    others = w.working - w.in_flight
+    if w.role == "prefill" and s is not None and w.answered_at != float("-inf") and (queued or others):
+        try:
+            elapsed = max(0.0, asyncio.get_running_loop().time() - w.answered_at)
+        except RuntimeError:  # no event loop (a pure-Python caller): the stats as they are
+            elapsed = 0.0
+        token_s, request_s = w.speed.estimate()
+        drained = min(queued, elapsed / token_s)
+        queued -= drained
+        others = max(0, others - int((elapsed - drained * token_s) / request_s))
+    return max(float(w.pending_tokens), queued), w.in_flight + others
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -83,6 +83,7 @@ def make(peer_pulls=True):
         w.stats = worker_pb2.WorkerStats(role=w.role, block_size=BLOCK, max_num_requests=8, kv_blocks_total=1000,
                                          kv_block_bytes=BLOCK_BYTES)
         w.speed.token_s, w.speed.request_s = TOKEN_S, 0.02
+        w.speed._seen_long = w.speed._seen_short = True  # as if learnt from its calls
     index = KvIndex()
     for w in pool.workers:
         index.load_snapshot(w.address, 0, [])
@@ -124,3 +125,42 @@ def test_the_prompts_last_block_is_never_pulled():
     index.load_snapshot("h:1", 1, [(h, "device") for h in hashes])
     pool.get("h:1").stats.num_waiting_tokens = 100 * BLOCK
     assert selector.pick_prefill(len(prompt), hashes).pull == PullOption("h:1", 41)
+
+
+def test_a_polled_queue_is_taken_as_drained_at_the_learnt_speed_since_the_poll():
+    """Others' work is seen only in polls: 1,600 tokens waiting 1 s ago at 1 ms per token is 600 now, a
+    request seen at work is done after its learnt time, and work that has long drained no longer sends a
+    returning prompt away from its idle holder."""
+    import asyncio
+
+    from router.worker_selector import _load_now
+
+    async def scenario():
+        pool, index, selector = make()
+        holder = pool.get("h:1")
+        holder.stats.num_waiting_tokens = 1600
+        now = asyncio.get_running_loop().time()
+        holder.answered_at = now - 1.0
+        assert _load_now(holder)[0] == pytest.approx(600, abs=20)
+        index.load_snapshot("h:1", 1, [(h, "device") for h in HASHES[:40]])
+        holder.stats.num_requests = holder.in_flight_at_poll + 1  # another router's request, seen at work
+        assert _load_now(holder)[1] == 1
+        holder.answered_at = now - 5.0  # all drained long ago: the holder computes the rest
+        assert _load_now(holder) == (0.0, 0)
+        pick = selector.pick_prefill(len(PROMPT), HASHES)
+        assert pick.worker.address == "h:1" and pick.pull is None
+        holder.answered_at = now  # just polled: busy, the other pulls
+        assert selector.pick_prefill(len(PROMPT), HASHES).pull == PullOption("h:1", 40)
+    asyncio.run(scenario())
+
+
+def test_an_unmeasured_worker_is_priced_like_its_measured_peers():
+    """Not by the prior: a prior slower than the truth would let measured peers take its prefixes for good."""
+    pool, index, selector = make()
+    fresh = pool.get("o:1")
+    fresh.speed = type(fresh.speed)()  # nothing learnt yet: the prior
+    speeds = selector._speeds()
+    assert speeds(fresh) == pytest.approx((TOKEN_S, 0.02)) and speeds(pool.get("h:1")) == pytest.approx((TOKEN_S, 0.02))
+    for w in pool.workers:
+        w.speed = type(w.speed)()
+    assert selector._speeds()(fresh) == (None, None)  # nobody measured: the policy's defaults
