@@ -124,3 +124,12 @@ def test_the_prompts_last_block_is_never_pulled():
     index.load_snapshot("h:1", 1, [(h, "device") for h in hashes])
     pool.get("h:1").stats.num_waiting_tokens = 100 * BLOCK
     assert selector.pick_prefill(len(prompt), hashes).pull == PullOption("h:1", 41)
+
+
+def test_a_decode_worker_holding_the_conversation_is_a_holder_too():
+    """The decode worker that served the last turn holds its context (answers included): a prefill worker
+    pulls it from there rather than compute it."""
+    pool, index, selector = make()
+    index.load_snapshot("d:1", 1, [(h, "device") for h in HASHES[:40]])
+    pick = selector.pick_prefill(len(PROMPT), HASHES)
+    assert pick.worker.address in ("h:1", "o:1") and pick.pull == PullOption("d:1", 40)
