@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import InvalidParameter, SamplingParams
-from kv_transfer import KVReceiver, KVTransferError, Transfer, TransferState
+from kv_transfer import KVReceiver, KVSender, KVTransferError, Transfer, TransferState
 from worker_runtime.engine_loop import EngineLoop, Sink
 from worker_runtime.kv_handle import KVSource
+from worker_runtime.kv_leases import KVLeases
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,11 @@ class DecodeLoop(EngineLoop):
     """How long a step may wait for pulls started just before it."""
 
     def __init__(self, engine: LLMEngine, aio_loop: asyncio.AbstractEventLoop, receiver: KVReceiver,
-                 pull_timeout_s: float) -> None:
+                 pull_timeout_s: float, sender: KVSender | None = None) -> None:
+        """`sender`: leases of this worker's cached prefixes to prefill workers that pull them (None: none)."""
         super().__init__(engine, aio_loop)
         self.receiver = receiver
+        self.leases = KVLeases(engine, sender) if sender is not None else None
         self.pull_timeout_s = pull_timeout_s
         self._queued: deque[_Job] = deque()
         self._pulling: dict[str, _Job] = {}
@@ -101,6 +104,8 @@ class DecodeLoop(EngineLoop):
             found = self.engine.abort_request(request_id) or job is not None
             if job is not None:
                 self.emit(request_id, asyncio.CancelledError(), last=True)
+            if self.leases is not None and self.leases.release(request_id, "aborted by the router"):
+                found = True
             return found
         return self.call(run)
 
@@ -117,9 +122,11 @@ class DecodeLoop(EngineLoop):
             self.emit(request_id, exc, last=True)
 
     def has_transfers(self) -> bool:
-        return bool(self._pulling or self._queued)
+        return bool(self._pulling or self._queued or self.leases)
 
     def poll(self) -> None:
+        if self.leases is not None:
+            self.leases.poll()
         if self._start_pulls() and self.engine.has_unfinished():
             deadline = time.monotonic() + self.join_wait_s
             while self._pulling and time.monotonic() < deadline and not self._finish_pulls():
@@ -230,10 +237,14 @@ class DecodeLoop(EngineLoop):
             pass  # the lease expires on its own
 
     def num_requests(self) -> int:
-        return super().num_requests() + len(self._pulling) + len(self._queued)
+        return super().num_requests() + len(self._pulling) + len(self._queued) + len(self.leases or ())
 
     def extra_stats(self) -> dict[str, float]:
+        moved = self.receiver.stats().get("bytes_moved", 0)
+        leases = {}
+        if self.leases is not None:
+            moved += self.leases.sender.stats().get("bytes_moved", 0)
+            leases = self.leases.stats()
         return {"num_pulls": len(self._pulling) + len(self._queued), "transfers_failed": self.transfers_failed,
-                "num_kv_recomputed": self.num_recomputed,
-                "kv_bytes_moved": int(self.receiver.stats().get("bytes_moved", 0)),
-                "kv_pull_bytes": self.pull_bytes, "kv_pull_seconds": self.pull_seconds}
+                "num_kv_recomputed": self.num_recomputed, "kv_bytes_moved": int(moved),
+                "kv_pull_bytes": self.pull_bytes, "kv_pull_seconds": self.pull_seconds, **leases}

@@ -1,6 +1,7 @@
 """The decode role: pulls a prompt's KV from the prefill worker named in its handle, then generates.
 
-Plugs into the worker runtime (worker_runtime/role.py): a KV receiver, the DecodeLoop, the Decode RPC
+Plugs into the worker runtime (worker_runtime/role.py): a KV receiver (and a sender: its cached context
+leased to prefill workers that pull it, router/README.md "Peer prefix pulls"), the DecodeLoop, the Decode RPC
 (a stream of chunks, then the completion with its usage), and the drain's last step: streams still open
 when the drain times out end as "draining" (UNAVAILABLE), so routers migrate them (router/migration.py).
 """
@@ -15,21 +16,21 @@ from common.cluster_auth import handles
 from common.protocol import FINISH_REASONS, chunk_from_delta, generate_pb2
 from decode_worker.decode_loop import DecodeLoop
 from engine.sampling_params import InvalidParameter
-from kv_transfer import make_receiver
 from worker_runtime.errors import Draining, WorkerError
 from worker_runtime.kv_handle import KVSource
 from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import abort_with
+from worker_runtime.transfer_sides import open_sides
 
 
 class DecodeRole(WorkerRole):
     name = "decode"
 
     def open_transfer(self, kv_cache, layout, kv_config):
-        return make_receiver(kv_cache, layout, kv_config)
+        return open_sides(kv_cache, layout, kv_config)
 
     def make_loop(self, engine, aio, transfer_side, config) -> DecodeLoop:
-        return DecodeLoop(engine, aio, transfer_side, config.pull_timeout_s)
+        return DecodeLoop(engine, aio, transfer_side.receiver, config.pull_timeout_s, transfer_side.sender)
 
     async def decode(self, servicer, request, context):
         rid = request.request_id

@@ -7,13 +7,13 @@ has pulled the blocks, FAILED when it expires or is aborted; either way the
 blocks are released here, on the engine thread, at the next poll.
 
 Peer prefix pulls (router/README.md, "Peer prefix pulls"): `lease_prefix` leases the leading cached
-blocks of a prefix to another prefill worker the same way (a `prefix_lease` with no request behind it),
-and a prompt that arrives with another worker's lease pulls those blocks first (prefix_pull.py).
+blocks of a prefix to another prefill worker the same way (a lease with no request behind it),
+and a prompt that arrives with another worker's lease pulls those blocks first (prefix_pull.py). The
+leases themselves: worker_runtime/kv_leases.py.
 """
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -21,11 +21,12 @@ import grpc
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
-from kv_transfer import KVReceiver, KVSender, Transfer, TransferState
+from kv_transfer import KVReceiver, KVSender
 from prefill_worker.prefix_pull import PrefixPulls
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.errors import WorkerError
 from worker_runtime.kv_handle import KVSource
+from worker_runtime.kv_leases import KVLeases
 
 
 @dataclass
@@ -38,16 +39,6 @@ class PrefillResult:
     block_ids: list[int] | None = None
     capability: str = ""
     """The sender's secret for this transfer (goes into the KV handle)."""
-
-
-@dataclass
-class PrefixLease:
-    """Leading blocks of a cached prefix held for a peer's pull (the handle of a LeasePrefix answer)."""
-
-    peer_info: dict
-    transfer_id: str
-    block_ids: list[int]
-    capability: str
 
 
 class PullAborted(WorkerError):
@@ -63,12 +54,8 @@ class PrefillLoop(EngineLoop):
         super().__init__(engine, aio_loop)
         self.sender = sender
         self.pulls = PrefixPulls(engine, receiver, pull_timeout_s) if receiver is not None else None
-        self._peer_info = sender.peer_info()
+        self.leases = KVLeases(engine, sender)
         self._waiting: dict[str, tuple[asyncio.Future, float]] = {}
-        self._leases: dict[str, Transfer] = {}
-        """Request id -> the sender's transfer holding its blocks (its deadline is the lease's)."""
-        self.leases_expired = 0
-        self.transfers_failed = 0
 
     # ---- asyncio side ------------------------------------------------------
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float,
@@ -112,25 +99,7 @@ class PrefillLoop(EngineLoop):
                 if waiting is not None:
                     self._resolve(waiting[0], exc=PullAborted("aborted while pulling its prefix"))
                 found = True
-            lease = self._leases.pop(request_id, None)
-            if lease is not None:
-                lease.abort("aborted by the router")
-                self.engine.release_kv(request_id)
-                found = True
-            return found
-        return self.call(run)
-
-    def lease_prefix(self, lease_id: str, token_ids: list[int], cache_salt: str, lease_s: float) -> asyncio.Future:
-        """Hold the leading cached blocks of `token_ids` for a peer's pull; the future resolves to a
-        PrefixLease, or None when none is cached here. The lease ends like a decode worker's (pulled,
-        expired, or aborted by `lease_id`)."""
-        def run() -> PrefixLease | None:
-            block_ids = self.engine.lease_cached_prefix(lease_id, token_ids, cache_salt)
-            if not block_ids:
-                return None
-            transfer = self.sender.expect(lease_id, block_ids, timeout_s=lease_s)
-            self._leases[lease_id] = transfer
-            return PrefixLease(self._peer_info, lease_id, block_ids, transfer.capability)
+            return self.leases.release(request_id, "aborted by the router") or found
         return self.call(run)
 
     # ---- engine thread -----------------------------------------------------
@@ -141,37 +110,25 @@ class PrefillLoop(EngineLoop):
         future, lease_s = waiting
         result = PrefillResult(delta)
         if delta.kv_block_ids is not None:
-            transfer_id = delta.request_id
-            transfer = self.sender.expect(transfer_id, delta.kv_block_ids, timeout_s=lease_s)
-            self._leases[delta.request_id] = transfer
-            result = PrefillResult(delta, self._peer_info, transfer_id, delta.kv_block_ids,
+            transfer = self.leases.hold(delta.request_id, delta.kv_block_ids, lease_s)
+            result = PrefillResult(delta, self.leases.peer_info, delta.request_id, delta.kv_block_ids,
                                    transfer.capability)
         self._resolve(future, result=result)
 
     def has_transfers(self) -> bool:
-        return bool(self._leases) or bool(self.pulls)
+        return bool(self.leases) or bool(self.pulls)
 
     def poll(self) -> None:
         if self.pulls is not None:
             self.pulls.poll()
-        for request_id, lease in list(self._leases.items()):
-            state = lease.poll()
-            if not state.is_terminal:
-                continue
-            del self._leases[request_id]
-            self.engine.release_kv(request_id)
-            if state == TransferState.FAILED:
-                self.transfers_failed += 1
-                if time.monotonic() >= lease.deadline:
-                    self.leases_expired += 1
+        self.leases.poll()
 
     def num_requests(self) -> int:
-        return super().num_requests() + len(self._leases) + len(self.pulls or ())
+        return super().num_requests() + len(self.leases) + len(self.pulls or ())
 
     def extra_stats(self) -> dict[str, int]:
         moved = self.sender.stats().get("bytes_moved", 0)
-        stats = {"num_leases": len(self._leases), "leases_expired": self.leases_expired,
-                 "transfers_failed": self.transfers_failed}
+        stats = {**self.leases.stats(), "transfers_failed": self.leases.failed}
         if self.pulls is not None:
             moved += self.pulls.receiver.stats().get("bytes_moved", 0)
             stats.update(self.pulls.stats.as_stats(), num_pulls=len(self.pulls))

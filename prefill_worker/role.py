@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 
 from common.cluster_auth import handles
 from common.protocol import FINISH_REASONS, chunk_from_delta, worker_pb2
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.sampling_params import InvalidParameter
-from kv_transfer import make_receiver, make_sender
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.errors import WorkerError
-from worker_runtime.kv_handle import MAX_TRANSFER_ID_CHARS, KVSource, peer_to_proto
+from worker_runtime.kv_handle import KVSource, peer_to_proto
+from worker_runtime.kv_leases import lease_seconds
 from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import abort_with
+from worker_runtime.transfer_sides import open_sides
 
 
 class PrefillRole(WorkerRole):
@@ -30,38 +30,19 @@ class PrefillRole(WorkerRole):
         return dataclasses.replace(config, speculative=SpeculativeConfig())
 
     def open_transfer(self, kv_cache, layout, kv_config):
-        sender = make_sender(kv_cache, layout, kv_config)
-        try:
-            return TransferSides(sender, make_receiver(kv_cache, layout, kv_config))
-        except BaseException:
-            sender.close()
-            raise
+        return open_sides(kv_cache, layout, kv_config)
 
     def make_loop(self, engine, aio, transfer_side, config) -> PrefillLoop:
         return PrefillLoop(engine, aio, transfer_side.sender, transfer_side.receiver, config.peer_pull_timeout_s)
-
-    async def lease_prefix(self, servicer, request, context):
-        async with servicer.admitted(context):
-            lease_s = await _lease_s(servicer, request.lease_s, context)
-            try:
-                if not 0 < len(request.lease_id) <= MAX_TRANSFER_ID_CHARS:
-                    raise InvalidParameter("lease_id", f"must have 1 to {MAX_TRANSFER_ID_CHARS} characters")
-                lease = await servicer.loop.lease_prefix(request.lease_id, list(request.token_ids),
-                                                         request.cache_salt, lease_s)
-            except InvalidParameter as exc:
-                await abort_with(context, exc)
-        if lease is None:
-            return worker_pb2.PrefixLeaseResponse(num_tokens=0)
-        num_tokens = len(lease.block_ids) * servicer.config.engine.cache.block_size
-        return worker_pb2.PrefixLeaseResponse(num_tokens=num_tokens, kv=worker_pb2.KVHandle(
-            peer=peer_to_proto(lease.peer_info), transfer_id=lease.transfer_id, block_ids=lease.block_ids,
-            num_tokens=num_tokens, worker_address=servicer.address, capability=lease.capability))
 
     async def prefill(self, servicer, request, context):
         rid = request.request_id
         async with servicer.admitted(context):
             params = await servicer.params(request.params, context)
-            lease_s = await _lease_s(servicer, request.lease_s, context)
+            try:
+                lease_s = lease_seconds(request.lease_s, servicer.config.lease_s)
+            except InvalidParameter as exc:
+                await abort_with(context, exc)
             prompt = list(request.prompt_token_ids)
             prefix = await _prefix_source(servicer, request, prompt, context)
             try:
@@ -83,32 +64,6 @@ class PrefillRole(WorkerRole):
                     block_ids=result.block_ids, num_tokens=len(request.prompt_token_ids),
                     worker_address=servicer.address, capability=result.capability))
             return response
-
-
-class TransferSides:
-    """A prefill worker's two kv_transfer sides: the sender its leases go out by, a receiver for peer pulls."""
-
-    def __init__(self, sender, receiver) -> None:
-        self.sender = sender
-        self.receiver = receiver
-
-    @property
-    def backend_name(self) -> str:
-        return self.sender.backend_name
-
-    def backend_info(self) -> dict[str, str]:
-        return self.sender.backend_info()
-
-    def close(self) -> None:
-        self.receiver.close()
-        self.sender.close()
-
-
-async def _lease_s(servicer, lease_s: float, context) -> float:
-    """A request's lease, checked; 0 is the worker's default, and --lease-s caps it."""
-    if not math.isfinite(lease_s) or lease_s < 0:
-        await abort_with(context, InvalidParameter("lease_s", "must be a finite number >= 0"))
-    return min(lease_s or servicer.config.lease_s, servicer.config.lease_s)
 
 
 async def _prefix_source(servicer, request, prompt: list[int], context) -> KVSource | None:

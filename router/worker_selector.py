@@ -9,7 +9,7 @@ its host memory or on its disk is loaded there, not pulled), it prefills the res
 itself; so it does when the link into it moves KV slower than the prefill pool
 computes it (router/link_estimate.py, with `link_aware_prefill`).
 `pick_prefill` then chooses the prefill worker by the routing policy's cost (uncached prompt blocks, plus load),
-and whether it pulls a prefix another prefill worker holds on its device rather than compute it
+and whether it pulls a prefix another worker (prefill or decode) holds on its device rather than compute it
 (`PrefillPick.pull`; router/README.md, "Peer prefix pulls").
 The costs see cached blocks weighted by the best medium holding them (`KvIndex.weighted_overlap` with
 `RoutingWeights.kv_tier_weights`); the skip decision and the hit counts see blocks held on any medium.
@@ -117,7 +117,7 @@ class WorkerSelector:
         roomy = [w for w in workers if w.has_room] or workers  # the worker itself refuses if really full
         candidates = self._candidates(roomy, block_hashes, in_progress=True)
         if self.peer_pulls and self.policy.uses_prefix:
-            self._add_pull_options(candidates, workers, block_hashes[:(prompt_len - 1) // self.block_size])
+            self._add_pull_options(candidates, block_hashes[:(prompt_len - 1) // self.block_size])
         chosen = self.policy.pick_prefill(candidates, len(block_hashes), routing_key(block_hashes), self.block_size)
         plan = self.policy.prefill_plan(chosen, len(block_hashes), self.block_size)
         pick = PrefillPick(self.pool.get(chosen.address), chosen.held, plan.seconds if self.policy.uses_prefix else 0.0)
@@ -129,12 +129,13 @@ class WorkerSelector:
             self.metrics.observe_prefill(pick.worker, len(block_hashes), chosen.held, media, pulled)
         return pick
 
-    def _add_pull_options(self, candidates: list[Candidate], workers: list[WorkerClient],
-                          block_hashes: list[int]) -> None:
-        """Give each candidate the deepest device copy of the prompt's prefix on another prefill worker."""
+    def _add_pull_options(self, candidates: list[Candidate], block_hashes: list[int]) -> None:
+        """Give each candidate the deepest device copy of the prompt's prefix on another worker: a prefill
+        worker's, or a decode worker's (the context of a conversation it served, its answers included)."""
         if not block_hashes:
             return
-        depths = {w.address: self.index.device_depth(block_hashes, w.address) for w in workers}
+        holders = self.pool.healthy("prefill") + self.pool.healthy("decode")
+        depths = {w.address: self.index.device_depth(block_hashes, w.address) for w in holders}
         for c in candidates:
             worker = self.pool.get(c.address)
             holder, blocks = max(((a, d) for a, d in depths.items() if a != c.address), key=lambda t: t[1],

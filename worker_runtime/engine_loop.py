@@ -13,11 +13,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
 from worker_runtime.moe_metrics import MoeRoutingReader
+
+if TYPE_CHECKING:
+    from worker_runtime.kv_leases import KVLeases
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ class EngineLoop(threading.Thread):
         """A KvEventLog, flushed after every iteration, when routers index this worker."""
         self.moe_routing = MoeRoutingReader(engine.runner.model)
         """Per-expert token counts of an MoE model, copied into the stats every few seconds (moe_metrics.py)."""
+        self.leases: KVLeases | None = None
+        """Blocks held for other workers to pull (a role with a KV sender sets it; worker_runtime/kv_leases.py)."""
 
     # ---- called from the asyncio side -----------------------------------
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
@@ -67,6 +72,15 @@ class EngineLoop(threading.Thread):
 
         self._commands.put(run)
         return future
+
+    def lease_prefix(self, lease_id: str, token_ids: list[int], cache_salt: str, lease_s: float) -> asyncio.Future:
+        """Hold the leading cached blocks of `token_ids` for a peer's pull; the future resolves to a PrefixLease,
+        or None when none is cached here (or this worker has no KV sender)."""
+        def run():
+            if self.leases is None:
+                return None
+            return self.leases.lease_prefix(lease_id, token_ids, cache_salt, lease_s)
+        return self.call(run)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -44,10 +44,6 @@ class WorkerRole(ABC):
         """The Prefill RPC; a role that does not prefill refuses it."""
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.name} worker")
 
-    async def lease_prefix(self, servicer: WorkerServicer, request, context):
-        """The LeasePrefix RPC (a peer's pull of a cached prefix); a role that does not lease refuses it."""
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.name} worker")
-
     async def decode(self, servicer: WorkerServicer, request, context):
         """The Decode RPC (a stream of GenerateResponse); a role that does not decode refuses it."""
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.name} worker")

@@ -1,7 +1,7 @@
 """The internal Worker gRPC service: Prefill, Decode, LeasePrefix, Abort, GetStats, the KV event feed.
 
-Thin: converts messages, admits or refuses, and waits on the engine thread. Prefill, Decode and LeasePrefix
-are the role's (worker_runtime/role.py); the rest is every worker's. A cancelled call (router gone, client
+Thin: converts messages, admits or refuses, and waits on the engine thread. Prefill and Decode are the
+role's (worker_runtime/role.py); the rest is every worker's. A cancelled call (router gone, client
 cancel, deadline) aborts the request.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ from engine.sampling_params import InvalidParameter
 from worker_runtime.config import WorkerConfig
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.errors import Draining, Overloaded, WorkerError
+from worker_runtime.kv_handle import MAX_TRANSFER_ID_CHARS, peer_to_proto
+from worker_runtime.kv_leases import lease_seconds
 from worker_runtime.role import WorkerRole
 
 
@@ -43,7 +45,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield response
 
     async def LeasePrefix(self, request, context):
-        return await self.role.lease_prefix(self, request, context)
+        """Hold a cached prefix for a peer's pull (worker_runtime/kv_leases.py); every role serves it."""
+        async with self.admitted(context):
+            try:
+                lease_s = lease_seconds(request.lease_s, self.config.lease_s)
+                if not 0 < len(request.lease_id) <= MAX_TRANSFER_ID_CHARS:
+                    raise InvalidParameter("lease_id", f"must have 1 to {MAX_TRANSFER_ID_CHARS} characters")
+                lease = await self.loop.lease_prefix(request.lease_id, list(request.token_ids), request.cache_salt,
+                                                     lease_s)
+            except InvalidParameter as exc:
+                await abort_with(context, exc)
+        if lease is None:
+            return worker_pb2.PrefixLeaseResponse(num_tokens=0)
+        num_tokens = len(lease.block_ids) * self.config.engine.cache.block_size
+        return worker_pb2.PrefixLeaseResponse(num_tokens=num_tokens, kv=worker_pb2.KVHandle(
+            peer=peer_to_proto(lease.peer_info), transfer_id=lease.transfer_id, block_ids=lease.block_ids,
+            num_tokens=num_tokens, worker_address=self.address, capability=lease.capability))
 
     async def Abort(self, request, context):
         found = await self.loop.abort(request.request_id)

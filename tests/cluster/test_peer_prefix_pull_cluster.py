@@ -3,7 +3,8 @@
 One cluster for the module: prefill workers A and B, one decode worker, a router. Checked: the router
 sends a returning prompt to B with a pull when its holder A is busy (B computes only the rest, the output
 is the one A alone gives); called directly, B pulls a prefix A holds and computes the uncached rest with
-the first token A would give; a lease under another tenant's salt finds nothing; an expired lease, and a
+the first token A would give, and pulls a finished turn's context (its answer included) from the decode
+worker that served it; a lease under another tenant's salt finds nothing; an expired lease, and a
 holder killed after its lease was granted, fall back to computing with the same first token; nothing is
 leaked on any live worker.
 """
@@ -89,6 +90,22 @@ def test_b_pulls_what_a_holds_and_computes_the_rest(cluster):
     after = stats(b)
     assert (after.peer_pulls - before.peer_pulls, after.peer_pull_tokens - before.peer_pull_tokens) == (1, 24 * BLOCK)
     assert after.peer_pull_bytes - before.peer_pull_bytes == 24 * after.kv_block_bytes
+    assert_no_leaks(cluster[:3])
+
+
+def test_b_pulls_a_conversation_from_the_decode_worker_that_served_it(cluster):
+    """The decode worker holds a finished turn's context, its answer included, which no prefill worker
+    computed: the next turn's prefill pulls it from there."""
+    a, b, decode, router = cluster
+    prompt = list(range(20000, 20000 + 8 * BLOCK + 5))
+    context = prompt + generate_routed(router, prompt, max_tokens=40)["tokens"]
+    follow = context + list(range(25000, 25010))  # the next turn
+    answer = lease(decode, "c~pull0", context[:(len(context) - 1) // BLOCK * BLOCK])
+    assert answer.num_tokens > len(prompt)  # blocks of the answer too
+    expected = prefill(a, "ref-c", follow)
+    got = prefill(b, "c", follow, prefix_kv=answer.kv)
+    assert list(got.first.token_ids) == list(expected.first.token_ids)
+    assert got.cached_tokens >= answer.num_tokens
     assert_no_leaks(cluster[:3])
 
 

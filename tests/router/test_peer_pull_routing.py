@@ -164,3 +164,12 @@ def test_an_unmeasured_worker_is_priced_like_its_measured_peers():
     for w in pool.workers:
         w.speed = type(w.speed)()
     assert selector._speeds()(fresh) == (None, None)  # nobody measured: the policy's defaults
+
+
+def test_a_decode_worker_holding_the_conversation_is_a_holder_too():
+    """The decode worker that served the last turn holds its context (answers included): a prefill worker
+    pulls it from there rather than compute it."""
+    pool, index, selector = make()
+    index.load_snapshot("d:1", 1, [(h, "device") for h in HASHES[:40]])
+    pick = selector.pick_prefill(len(PROMPT), HASHES)
+    assert pick.worker.address in ("h:1", "o:1") and pick.pull == PullOption("d:1", 40)

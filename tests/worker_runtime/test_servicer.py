@@ -13,10 +13,11 @@ import pytest
 from common.protocol import generate_pb2, worker_pb2
 from decode_worker.role import DecodeRole
 from engine.outputs import SampleDelta
-from prefill_worker.prefill_loop import PrefillResult, PrefixLease
+from prefill_worker.prefill_loop import PrefillResult
 from prefill_worker.role import PrefillRole
 from worker_runtime.config import WorkerConfig
 from worker_runtime.kv_handle import peer_to_proto
+from worker_runtime.kv_leases import PrefixLease
 from worker_runtime.servicer import WorkerServicer
 
 PEER = {"backend": "tcp", "modes": ["tcp"], "host": "127.0.0.1", "port": 7100, "instance_id": "i1",
@@ -192,9 +193,11 @@ def test_an_error_from_the_loop_ends_the_stream_with_its_status():
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_lease_prefix_answers_a_handle_of_the_blocks_held_or_none():
+@pytest.mark.parametrize("role", [PrefillRole(), DecodeRole()])
+def test_lease_prefix_answers_a_handle_of_the_blocks_held_or_none(role):
+    """Both roles lease: a prefill worker its prompts' prefixes, a decode worker the contexts it served."""
     loop = FakeLoop()
-    service = servicer(PrefillRole(), loop, lease_s=30.0)
+    service = servicer(role, loop, lease_s=30.0)
     request = worker_pb2.PrefixLeaseRequest(lease_id="r1~pull0", token_ids=list(range(1, 33)), cache_salt="t",
                                             lease_s=10.0)
     answer = run(service.LeasePrefix(request, FakeContext()))
@@ -205,9 +208,6 @@ def test_lease_prefix_answers_a_handle_of_the_blocks_held_or_none():
     request.token_ids[0] = 0  # the fake holds nothing for this one
     answer = run(service.LeasePrefix(request, FakeContext()))
     assert answer.num_tokens == 0 and not answer.HasField("kv")
-    with pytest.raises(Aborted) as caught:
-        run(servicer(DecodeRole(), FakeLoop()).LeasePrefix(request, FakeContext()))
-    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(Aborted) as caught:
         run(service.LeasePrefix(worker_pb2.PrefixLeaseRequest(token_ids=[1]), FakeContext()))
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and "lease_id" in caught.value.details
