@@ -20,7 +20,7 @@ import grpc
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidParameter, SamplingParams
 from kv_transfer import KVReceiver, KVSender
 from prefill_worker.prefix_pull import PrefixPulls
 from worker_runtime.engine_loop import EngineLoop
@@ -75,6 +75,8 @@ class PrefillLoop(EngineLoop):
             self.count_request(len(prompt))
 
         def add() -> None:
+            if request_id in self._waiting:  # its prefix still being pulled, say: the engine cannot tell
+                raise InvalidParameter("request_id", f"{request_id!r} is already running")
             if prefix is None or self.pulls is None:
                 self.engine.add_request(request_id, prompt, params, prefill_only=True, cache_salt=cache_salt)
                 self.count_request(len(prompt))

@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidParameter, SamplingParams
 from kv_transfer import KVLayout, KVTransferConfig, make_receiver, make_sender
 from prefill_worker.prefill_loop import PrefillLoop, PullAborted
 from worker_runtime.kv_handle import KVSource
@@ -151,6 +151,21 @@ def test_no_room_to_pull_into_computes_the_prefix_once_blocks_free_up(run):
         await b.loop.abort("p")
         await b.idle()
     run(body, kv_bytes=24 * 8192)
+
+
+def test_a_second_request_under_the_id_of_one_pulling_is_refused(run):
+    async def body(a, b):
+        shared, prompt = prompts()
+        await a.prefill("warm", shared + [7])
+        pending = b.loop.prefill("p", prompt, GREEDY, 10.0, prefix=await lease(a, "p~pull", shared),
+                                 prefix_tokens=len(shared))
+        with pytest.raises(InvalidParameter, match="already running"):
+            await b.loop.prefill("p", prompt, GREEDY, 10.0)
+        assert (await pending).first.num_cached_tokens == len(shared)  # the first one goes on
+        await b.loop.abort("p")
+        await a.idle()
+        await b.idle()
+    run(body)
 
 
 def test_abort_during_a_pull_frees_both_sides(run):
