@@ -43,18 +43,31 @@ class KVViews:
             self.kv.free(request_id)
         return True
 
-    def lease_cached_prefix(self, lease_id: str, token_ids: list[int], cache_salt: str = "") -> list[int]:
-        """Holder of a peer pull: hold the device blocks of the leading full blocks of `token_ids` cached here
-        under `cache_salt` until `release_kv(lease_id)`; returns their ids (none cached: empty, nothing held)."""
+    def lease_cached_prefix(self, lease_id: str, token_ids: list[int], cache_salt: str = "") -> tuple[list[int], bool]:
+        """Holder of a peer pull: hold the blocks of the leading full blocks of `token_ids` cached here under
+        `cache_salt` until `release_kv(lease_id)`: those on the device, then those a lower tier (host memory,
+        disk) holds after them, loaded back into the device blocks returned. Returns (their ids, loading):
+        while `loading`, `leased_prefix_loaded` says when they hold the KV. None cached: ([], False), nothing held."""
         self.validate_prompt(token_ids)
         self._check_new_id(lease_id, "lease_id")
         hit = self.kv.find_prefix(lease_id, token_ids, cache_salt, whole=True)
-        if not hit.block_ids:
+        loading = self.scheduler.load_lease(lease_id, token_ids, cache_salt, hit)  # a reference on each block:
+        if not hit.block_ids and not loading:                                     # no eviction meanwhile
             self.kv.free(lease_id)  # forget the hashes it computed
-            return []
-        self.kv.allocate_slots(lease_id, 0, 0, hit)  # takes a reference on each: no eviction meanwhile
+            return [], False
         self._handed_off.add(lease_id)
-        return list(hit.block_ids)
+        return list(self.kv.block_table(lease_id)), bool(loading)
+
+    def leased_prefix_loaded(self, lease_id: str, token_ids: list[int], cache_salt: str = "") -> list[int] | None:
+        """A lease `lease_cached_prefix` is loading: None while the load runs; then the leading blocks that
+        hold the prefix's KV (the rest are dropped), entered into the device's prefix cache."""
+        num_valid = self.scheduler.take_lease_load(lease_id)
+        if num_valid is None:
+            return None
+        valid_tokens = num_valid * self.kv.block_size
+        self.kv.truncate(lease_id, valid_tokens)
+        self.kv.cache_computed_blocks(lease_id, token_ids, valid_tokens, cache_salt)
+        return list(self.kv.block_table(lease_id))
 
     def reserve_prefix(self, request_id: str, token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
         """Puller of a peer pull: blocks for the full blocks of `token_ids`, a prefix another worker holds.

@@ -215,6 +215,31 @@ class Scheduler:
         self._load(PendingLoad(request_id, start, len(found)), found, token_ids)
         return len(found)
 
+    def load_lease(self, lease_id: str, token_ids: list[int], salt: str, hit: PrefixHit) -> int:
+        """A peer's lease on the full blocks of `token_ids` (`hit`: those cached on the device): blocks for the
+        ones a lower tier holds after them, loaded there; returns how many (0: none held there, or no room:
+        only the device blocks are held). `take_lease_load` tells when the load ended."""
+        found = []
+        if self.offload is not None:
+            hashes = self.kv.block_hashes(lease_id, token_ids, salt)
+            found = self.offload.lookup(hashes, token_ids, len(hit.block_ids), len(token_ids) // self.kv.block_size)
+        if found and self.offload.can_load(len(found)) and self.kv.allocate_slots(
+                lease_id, 0, len(found) * self.kv.block_size, hit) is not None:
+            self._load(PendingLoad(lease_id, len(hit.block_ids), len(found)), found, token_ids)
+            return len(found)
+        self.kv.allocate_slots(lease_id, 0, 0, hit)
+        return 0
+
+    def take_lease_load(self, lease_id: str) -> int | None:
+        """The load `load_lease` started: None while it runs; once it ended, forgotten here, and the leading
+        blocks of the lease that now hold their KV (those after a block that failed its check do not)."""
+        key = self._load_keys.get(lease_id)
+        pending = self.loading[key]
+        if pending.num_loaded is None:
+            return None
+        del self.loading[key], self._load_keys[lease_id]
+        return pending.start + pending.num_loaded
+
     def hold_for_load(self, request: Request) -> None:
         """A decode request whose reservation is loading waits in `loading` until the load ends."""
         key = self._load_keys.get(request.request_id)

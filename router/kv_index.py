@@ -15,9 +15,8 @@ Workers keep blocks on several media (engine/kv_events.py `MEDIA`: device, cpu,
 disk). Per worker the index keeps, for each hash, a small bitmask of the media
 holding it (bit i = MEDIA[i]); a block counts as held, in `_holders` and so in
 `overlap`, while any medium holds it. `weighted_overlap` prices each held
-block by its best medium (`best_media` counts them); `device_depth` is what a
-peer pull can lease; `num_blocks` counts device blocks only (how full the
-worker's KV pool is).
+block by its best medium (`best_media` counts them); `num_blocks` counts device
+blocks only (how full the worker's KV pool is).
 """
 from __future__ import annotations
 
@@ -154,18 +153,6 @@ class KvIndex:
             if alive >> bit & 1:
                 result[w] = depth
         return result
-
-    def device_depth(self, block_hashes: list[int], worker: str) -> int:
-        """How many leading blocks of the prompt `worker` holds on its device (what a peer pull can lease)."""
-        entry = self._workers.get(worker)
-        if entry is None:
-            return 0
-        depth = 0
-        for h in block_hashes:
-            if not entry.hashes.get(h, 0) & _DEVICE_BIT:
-                break
-            depth += 1
-        return depth
 
     def best_media(self, block_hashes: list[int], worker: str) -> dict[str, int]:
         """Of `block_hashes` (blocks `worker` holds), how many each medium is the best holder of there."""

@@ -9,7 +9,7 @@ its host memory or on its disk is loaded there, not pulled), it prefills the res
 itself; so it does when the link into it moves KV slower than the prefill pool
 computes it (router/link_estimate.py, with `link_aware_prefill`).
 `pick_prefill` then chooses the prefill worker by the routing policy's cost (uncached prompt blocks, plus load),
-and whether it pulls a prefix another worker (prefill or decode) holds on its device rather than compute it
+and whether it pulls a prefix another worker (prefill or decode) holds rather than compute it
 (`PrefillPick.pull`; router/README.md, "Peer prefix pulls").
 The costs see cached blocks weighted by the best medium holding them (`KvIndex.weighted_overlap` with
 `RoutingWeights.kv_tier_weights`); the skip decision and the hit counts see blocks held on any medium.
@@ -130,12 +130,13 @@ class WorkerSelector:
         return pick
 
     def _add_pull_options(self, candidates: list[Candidate], block_hashes: list[int]) -> None:
-        """Give each candidate the deepest device copy of the prompt's prefix on another worker: a prefill
-        worker's, or a decode worker's (the context of a conversation it served, its answers included)."""
+        """Give each candidate the deepest copy of the prompt's prefix on another worker: a prefill worker's, or
+        a decode worker's (the context of a conversation it served, its answers included); on any medium: the
+        holder loads what its host memory or disk holds back onto its device before the lease is answered."""
         if not block_hashes:
             return
         holders = self.pool.healthy("prefill") + self.pool.healthy("decode")
-        depths = {w.address: self.index.device_depth(block_hashes, w.address) for w in holders}
+        depths = self.index.overlap(block_hashes, [w.address for w in holders])
         for c in candidates:
             worker = self.pool.get(c.address)
             holder, blocks = max(((a, d) for a, d in depths.items() if a != c.address), key=lambda t: t[1],

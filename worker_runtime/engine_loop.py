@@ -76,11 +76,17 @@ class EngineLoop(threading.Thread):
     def lease_prefix(self, lease_id: str, token_ids: list[int], cache_salt: str, lease_s: float) -> asyncio.Future:
         """Hold the leading cached blocks of `token_ids` for a peer's pull; the future resolves to a PrefixLease,
         or None when none is cached here (or this worker has no KV sender)."""
-        def run():
+        answered = self.aio.create_future()
+
+        def run() -> None:
             if self.leases is None:
-                return None
-            return self.leases.lease_prefix(lease_id, token_ids, cache_salt, lease_s)
-        return self.call(run)
+                return self._resolve(answered, result=None)
+            self.leases.lease_prefix(lease_id, token_ids, cache_salt, lease_s,
+                                     lambda lease: self._resolve(answered, result=lease))
+        started = self.call(run)
+        started.add_done_callback(lambda f: f.exception() is not None and not answered.done()
+                                  and answered.set_exception(f.exception()))
+        return answered
 
     def stop(self) -> None:
         self._stopping.set()

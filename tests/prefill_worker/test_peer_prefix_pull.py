@@ -2,18 +2,22 @@
 
 Two PrefillLoops over real engines (the tiny random Qwen2) with real TCP kv_transfer sides: A holds a prefix,
 B is asked to prefill a prompt that starts with it. Checked: B pulls the blocks it lacks and computes only
-the rest, with the first token a lone engine gives; every failure (the lease aborted, the holder's sender
-closed, no room on B) falls back to computing it, with the same first token; nothing is leaked on either
-side; a lease under another salt finds nothing.
+the rest, with the first token a lone engine gives, also when A keeps them only in host memory; every
+failure (the lease aborted, the holder's sender closed, the holder dying mid-stream, no room on B) falls back
+to computing it, with the same first token; nothing is leaked on either side; a lease under another salt
+finds nothing.
 """
 import asyncio
+import socket
 
 import pytest
 
 from engine.config import CacheConfig, EngineConfig
+from engine.kv_offload.config import OffloadConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import InvalidParameter, SamplingParams
 from kv_transfer import KVLayout, KVTransferConfig, make_receiver, make_sender
+from kv_transfer.wire import send_views
 from prefill_worker.prefill_loop import PrefillLoop, PullAborted
 from worker_runtime.kv_handle import KVSource
 
@@ -24,9 +28,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
 class Worker:
     """One prefill worker's engine thread and kv_transfer sides."""
 
-    def __init__(self, model_dir, aio, kv_bytes=8 << 20, pull_timeout_s=5.0):
-        self.engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32",
-                                             cache=CacheConfig(kv_cache_memory_bytes=kv_bytes)))
+    def __init__(self, model_dir, aio, kv_bytes=8 << 20, pull_timeout_s=5.0, cpu_tier_bytes=0):
+        self.engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", cache=CacheConfig(
+            kv_cache_memory_bytes=kv_bytes, offload=OffloadConfig(cpu_bytes=cpu_tier_bytes))))
         self.layout = layout = KVLayout.of_kv_cache(self.engine.runner.kv_cache, "tiny")
         config = KVTransferConfig(backend="tcp", host="127.0.0.1")
         self.sender = make_sender(self.engine.runner.kv_cache, layout, config)
@@ -103,6 +107,23 @@ def test_b_pulls_the_prefix_a_holds_and_computes_only_the_rest(run):
     run(body)
 
 
+def test_b_pulls_a_prefix_a_keeps_only_in_host_memory(run):
+    """A's lease loads the blocks back from its host tier first, then B pulls them."""
+    async def body(a, b):
+        shared, prompt, expected = await warmed(a, b)
+        while await a.loop.call(lambda: a.engine.scheduler.offload.busy):  # A's blocks reach its host tier
+            await asyncio.sleep(0.01)
+        await a.loop.call(a.engine.kv.pool.reset_prefix_cache)  # and leave its device
+        source = await lease(a, "p1~pull", shared)
+        assert len(source.block_ids) == 5 and a.engine.kv_tier_stats()["cpu"]["hits"] == 5
+        first = await b.prefill("p1", prompt, prefix=source, prefix_tokens=len(shared))
+        assert first.token_ids == expected
+        assert (b.loop.pulls.stats.pulls, b.loop.pulls.stats.tokens) == (1, len(shared))
+        await a.idle()
+        await b.idle()
+    run(body, cpu_tier_bytes=64 << 10)
+
+
 def test_b_pulls_only_the_blocks_it_lacks(run):
     async def body(a, b):
         shared, prompt = prompts()
@@ -116,13 +137,28 @@ def test_b_pulls_only_the_blocks_it_lacks(run):
     run(body)
 
 
-@pytest.mark.parametrize("failure", ["lease_aborted", "holder_gone"])
+def die_mid_stream(sender):
+    """Make `sender` stream half of the blocks of its next read, then drop the connection: what the puller
+    sees when the holder's process dies mid-transfer."""
+    tcp = sender.path_named("tcp")
+
+    def serve(sock, t, block_ids, hello, read):
+        views = tcp.region.block_views(block_ids)
+        send_views(sock, [views[0][:len(views[0]) // 2]], should_stop=lambda: False)
+        sock.shutdown(socket.SHUT_RDWR)
+        raise ConnectionResetError("the holder died")
+    tcp.serve = serve
+
+
+@pytest.mark.parametrize("failure", ["lease_aborted", "holder_gone", "holder_dies_mid_pull"])
 def test_a_failed_pull_computes_the_prefix_with_the_same_first_token(run, failure):
     async def body(a, b):
         shared, prompt, expected = await warmed(a, b)
         source = await lease(a, "p~pull", shared)
         if failure == "lease_aborted":  # as when it expired: the holder freed the blocks
             assert await a.loop.abort("p~pull")
+        elif failure == "holder_dies_mid_pull":
+            die_mid_stream(a.sender)
         else:
             a.close()
         first = await b.prefill("p", prompt, prefix=source, prefix_tokens=len(shared))
@@ -130,8 +166,8 @@ def test_a_failed_pull_computes_the_prefix_with_the_same_first_token(run, failur
         assert first.num_cached_tokens == 0
         assert (b.loop.pulls.stats.pulls, b.loop.pulls.stats.fallbacks) == (0, 1)
         await b.idle()
-        if failure == "lease_aborted":
-            await a.idle()
+        if failure != "holder_gone":
+            await a.idle()  # the half-served lease failed: its blocks are released too
     run(body)
 
 

@@ -143,11 +143,10 @@ def test_num_blocks_counts_device_only():
     assert index.num_blocks("gone") == 0 and index.num_blocks_by_medium("gone") == {"device": 0, "cpu": 0, "disk": 0}
 
 
-def test_device_depth_stops_at_the_first_block_not_on_the_device_and_best_media_counts_by_best():
+def test_overlap_counts_blocks_on_any_medium_and_best_media_counts_by_best():
     a = hash_full_blocks(list(range(24)), BS)  # 6 blocks
     index = KvIndex()
     index.load_snapshot("w", 0, [(a[0], "device"), (a[1], "device"), (a[1], "cpu"), (a[2], "cpu"), (a[3], "device")])
-    assert index.device_depth(a, "w") == 2, "a[2] is only in host memory: a pull leases device blocks"
-    assert index.device_depth(a, "gone") == 0
+    assert index.overlap(a, ["w", "gone"]) == {"w": 4, "gone": 0}, "a[2] is in host memory: held all the same"
     assert index.best_media(a[:3], "w") == {"device": 2, "cpu": 1, "disk": 0}
     assert index.best_media(a, "gone") == {"device": 0, "cpu": 0, "disk": 0}

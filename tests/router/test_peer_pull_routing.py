@@ -109,12 +109,13 @@ def test_the_selector_plans_a_pull_from_a_busy_holder():
     assert off.pick_prefill(len(PROMPT), HASHES).pull is None
 
 
-def test_blocks_held_only_in_a_lower_tier_are_not_pulled():
+def test_blocks_a_busy_holder_keeps_in_a_lower_tier_are_pulled_too():
+    """Host memory, then disk after it: the holder loads them back for the lease."""
     pool, index, selector = make()
-    index.load_snapshot("h:1", 1, [(h, "cpu") for h in HASHES[:40]])
+    index.load_snapshot("h:1", 1, [(h, "cpu") for h in HASHES[:30]] + [(h, "disk") for h in HASHES[30:40]])
     pool.get("h:1").stats.num_waiting_tokens = 100 * BLOCK
     pick = selector.pick_prefill(len(PROMPT), HASHES)
-    assert pick.worker.address == "o:1" and pick.pull is None
+    assert pick.worker.address == "o:1" and pick.pull == PullOption("h:1", 40)
 
 
 def test_the_prompts_last_block_is_never_pulled():
