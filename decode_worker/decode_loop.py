@@ -28,6 +28,7 @@ from kv_transfer import KVReceiver, KVSender, KVTransferError, Transfer, Transfe
 from worker_runtime.engine_loop import EngineLoop, Sink
 from worker_runtime.kv_handle import KVSource
 from worker_runtime.kv_leases import KVLeases
+from worker_runtime.prefix_pulls import PrefixPulls
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,13 @@ class DecodeLoop(EngineLoop):
     """How long a step may wait for pulls started just before it."""
 
     def __init__(self, engine: LLMEngine, aio_loop: asyncio.AbstractEventLoop, receiver: KVReceiver,
-                 pull_timeout_s: float, sender: KVSender | None = None) -> None:
-        """`sender`: leases of this worker's cached prefixes to prefill workers that pull them (None: none)."""
+                 pull_timeout_s: float, sender: KVSender | None = None, peer_pull_timeout_s: float = 2.0) -> None:
+        """`sender`: leases of this worker's cached prefixes to workers that pull them (None: none)."""
         super().__init__(engine, aio_loop)
         self.receiver = receiver
         self.leases = KVLeases(engine, sender) if sender is not None else None
+        self.pulls = PrefixPulls(engine, receiver, peer_pull_timeout_s)
+        """Peers' cached prefixes pulled before a prompt prefilled here (worker_runtime/prefix_pulls.py)."""
         self.pull_timeout_s = pull_timeout_s
         self._queued: deque[_Job] = deque()
         self._pulling: dict[str, _Job] = {}
@@ -73,12 +76,31 @@ class DecodeLoop(EngineLoop):
 
     # ---- asyncio side ------------------------------------------------------
     def decode(self, request_id: str, prompt: list[int], params: SamplingParams, source: KVSource | None,
-               sink: Sink, cache_salt: str = "", resume_token_ids: list[int] | None = None) -> asyncio.Future:
+               sink: Sink, cache_salt: str = "", resume_token_ids: list[int] | None = None,
+               prefix: KVSource | None = None, prefix_tokens: int = 0) -> asyncio.Future:
         """Start a request; its deltas (or a terminal exception) go to `sink`. (`cache_salt`,
         `resume_token_ids` (a migrated request, recomputed here; never with `source`): LLMEngine.add_request.)
+        With `prefix` (no `source`: the prompt is computed here), another worker's lease on the prompt's first
+        `prefix_tokens` tokens: they are pulled first (worker_runtime/prefix_pulls.py).
 
         The returned future fails at once for a request the engine refuses."""
+        def enter() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                        resume_token_ids=resume_token_ids)
+            except Exception as exc:  # noqa: BLE001 - after a pull the caller is no longer waiting on `add`
+                self.emit(request_id, exc, last=True)
+
         def add() -> None:
+            if source is None and prefix is not None:
+                if request_id in self._sinks:  # its prefix still being pulled, say: the engine cannot tell
+                    raise InvalidParameter("request_id", f"{request_id!r} is already running")
+                self.engine.validate_prompt(prompt)
+                self.engine.validate_params(params)
+                self.add_sink(request_id, sink)
+                self.count_request(len(prompt))
+                self.pulls.start(request_id, prompt[:prefix_tokens], cache_salt, prefix, enter)
+                return
             if source is None:
                 self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
                                         resume_token_ids=resume_token_ids)
@@ -101,8 +123,9 @@ class DecodeLoop(EngineLoop):
                 job = next((j for j in self._queued if j.request_id == request_id), None)
                 if job is not None:
                     self._queued.remove(job)
-            found = self.engine.abort_request(request_id) or job is not None
-            if job is not None:
+            pulling = self.pulls.abort(request_id)
+            found = self.engine.abort_request(request_id) or job is not None or pulling
+            if job is not None or pulling:
                 self.emit(request_id, asyncio.CancelledError(), last=True)
             if self.leases is not None and self.leases.release(request_id, "aborted by the router"):
                 found = True
@@ -118,15 +141,17 @@ class DecodeLoop(EngineLoop):
                 job.transfer.abort("the worker is shutting down")
                 self.engine.release_kv(request_id)
             self._queued = deque(j for j in self._queued if j.request_id != request_id)
+            self.pulls.abort(request_id)
             self.engine.abort_request(request_id)
             self.emit(request_id, exc, last=True)
 
     def has_transfers(self) -> bool:
-        return bool(self._pulling or self._queued or self.leases)
+        return bool(self._pulling or self._queued or self.leases or self.pulls)
 
     def poll(self) -> None:
         if self.leases is not None:
             self.leases.poll()
+        self.pulls.poll()
         if self._start_pulls() and self.engine.has_unfinished():
             deadline = time.monotonic() + self.join_wait_s
             while self._pulling and time.monotonic() < deadline and not self._finish_pulls():
@@ -237,7 +262,8 @@ class DecodeLoop(EngineLoop):
             pass  # the lease expires on its own
 
     def num_requests(self) -> int:
-        return super().num_requests() + len(self._pulling) + len(self._queued) + len(self.leases or ())
+        return (super().num_requests() + len(self._pulling) + len(self._queued) + len(self.leases or ())
+                + len(self.pulls))
 
     def extra_stats(self) -> dict[str, float]:
         moved = self.receiver.stats().get("bytes_moved", 0)
@@ -247,4 +273,5 @@ class DecodeLoop(EngineLoop):
             leases = self.leases.stats()
         return {"num_pulls": len(self._pulling) + len(self._queued), "transfers_failed": self.transfers_failed,
                 "num_kv_recomputed": self.num_recomputed, "kv_bytes_moved": int(moved),
-                "kv_pull_bytes": self.pull_bytes, "kv_pull_seconds": self.pull_seconds, **leases}
+                "kv_pull_bytes": self.pull_bytes, "kv_pull_seconds": self.pull_seconds, **leases,
+                **self.pulls.stats.as_stats()}

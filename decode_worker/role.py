@@ -17,7 +17,7 @@ from common.protocol import FINISH_REASONS, chunk_from_delta, generate_pb2
 from decode_worker.decode_loop import DecodeLoop
 from engine.sampling_params import InvalidParameter
 from worker_runtime.errors import Draining, WorkerError
-from worker_runtime.kv_handle import KVSource
+from worker_runtime.kv_handle import KVSource, prefix_source
 from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import abort_with
 from worker_runtime.transfer_sides import open_sides
@@ -30,7 +30,8 @@ class DecodeRole(WorkerRole):
         return open_sides(kv_cache, layout, kv_config)
 
     def make_loop(self, engine, aio, transfer_side, config) -> DecodeLoop:
-        return DecodeLoop(engine, aio, transfer_side.receiver, config.pull_timeout_s, transfer_side.sender)
+        return DecodeLoop(engine, aio, transfer_side.receiver, config.pull_timeout_s, transfer_side.sender,
+                          config.peer_pull_timeout_s)
 
     async def decode(self, servicer, request, context):
         rid = request.request_id
@@ -41,8 +42,12 @@ class DecodeRole(WorkerRole):
             items: asyncio.Queue = asyncio.Queue()
             prompt = list(request.prompt_token_ids)
             try:
+                prefix = prefix_source(request, prompt, servicer.config.engine.cache.block_size, servicer.handle_key)
+                if prefix is not None and source is not None:
+                    raise InvalidParameter("prefix_kv", "only for a prompt computed here (first_token_id unset)")
                 await servicer.loop.decode(rid, prompt, params, source, items.put_nowait,
-                                           cache_salt=request.cache_salt, resume_token_ids=resumed)
+                                           cache_salt=request.cache_salt, resume_token_ids=resumed,
+                                           prefix=prefix, prefix_tokens=request.prefix_kv.num_tokens)
             except (InvalidParameter, WorkerError) as exc:
                 await abort_with(context, exc)
             num_tokens = 1 if source is not None else len(resumed)  # usage counts every generated token

@@ -8,7 +8,7 @@ blocks are released here, on the engine thread, at the next poll.
 
 Peer prefix pulls (router/README.md, "Peer prefix pulls"): `lease_prefix` leases the leading cached
 blocks of a prefix to another prefill worker the same way (a lease with no request behind it),
-and a prompt that arrives with another worker's lease pulls those blocks first (prefix_pull.py). The
+and a prompt that arrives with another worker's lease pulls those blocks first (worker_runtime/prefix_pulls.py). The
 leases themselves: worker_runtime/kv_leases.py.
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
 from engine.sampling_params import InvalidParameter, SamplingParams
 from kv_transfer import KVReceiver, KVSender
-from prefill_worker.prefix_pull import PrefixPulls
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.errors import WorkerError
 from worker_runtime.kv_handle import KVSource
 from worker_runtime.kv_leases import KVLeases
+from worker_runtime.prefix_pulls import PrefixPulls
 
 
 @dataclass
@@ -62,7 +62,7 @@ class PrefillLoop(EngineLoop):
                 cache_salt: str = "", prefix: KVSource | None = None, prefix_tokens: int = 0) -> asyncio.Future:
         """Queue a prompt; the future resolves to a PrefillResult at its first token. (`cache_salt`:
         LLMEngine.add_request.) With `prefix`, another worker's lease on the prompt's first `prefix_tokens`
-        tokens: they are pulled first (prefix_pull.py)."""
+        tokens: they are pulled first (worker_runtime/prefix_pulls.py)."""
         result = self.aio.create_future()
 
         def enter() -> None:

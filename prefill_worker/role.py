@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from common.cluster_auth import handles
 from common.protocol import FINISH_REASONS, chunk_from_delta, worker_pb2
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.sampling_params import InvalidParameter
 from prefill_worker.prefill_loop import PrefillLoop
 from worker_runtime.errors import WorkerError
-from worker_runtime.kv_handle import KVSource, peer_to_proto
+from worker_runtime.kv_handle import peer_to_proto, prefix_source
 from worker_runtime.kv_leases import lease_seconds
 from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import abort_with
@@ -44,7 +43,10 @@ class PrefillRole(WorkerRole):
             except InvalidParameter as exc:
                 await abort_with(context, exc)
             prompt = list(request.prompt_token_ids)
-            prefix = await _prefix_source(servicer, request, prompt, context)
+            try:
+                prefix = prefix_source(request, prompt, servicer.config.engine.cache.block_size, servicer.handle_key)
+            except InvalidParameter as exc:
+                await abort_with(context, exc)
             try:
                 result = await servicer.loop.prefill(rid, prompt, params, lease_s, cache_salt=request.cache_salt,
                                                      prefix=prefix, prefix_tokens=request.prefix_kv.num_tokens)
@@ -64,24 +66,3 @@ class PrefillRole(WorkerRole):
                     block_ids=result.block_ids, num_tokens=len(request.prompt_token_ids),
                     worker_address=servicer.address, capability=result.capability))
             return response
-
-
-async def _prefix_source(servicer, request, prompt: list[int], context) -> KVSource | None:
-    """The checked `prefix_kv` of a Prefill call (None without one): signed by a router for this prompt's
-    first `num_tokens` tokens, whole blocks, one block id per block."""
-    if not request.HasField("prefix_kv"):
-        return None
-    handle, block_size = request.prefix_kv, servicer.config.engine.cache.block_size
-    try:
-        if not 0 < handle.num_tokens <= len(prompt) or handle.num_tokens % block_size:
-            raise InvalidParameter("prefix_kv.num_tokens", f"must be whole blocks of {block_size} tokens within "
-                                                           f"the prompt, got {handle.num_tokens}")
-        if len(handle.block_ids) != handle.num_tokens // block_size:
-            raise InvalidParameter("prefix_kv.block_ids", "must have one id per block of num_tokens")
-        if servicer.handle_key is not None and not handles.verify(servicer.handle_key, handle,
-                                                                  prompt[:handle.num_tokens]):
-            raise InvalidParameter("prefix_kv", "the handle is not signed by a router of this cluster for this "
-                                                "prompt")
-        return KVSource.from_handle(handle, field="prefix_kv")
-    except InvalidParameter as exc:
-        await abort_with(context, exc)

@@ -1,10 +1,11 @@
 """The router's half of a peer prefix pull: lease the prefix on the worker holding it, hand the handle on.
 
 When the routing policy plans a pull (`PrefillPick.pull`: the chosen prefill worker lacks leading blocks
-another prefill worker holds on its device, and moving them is cheaper than computing them), `lease` asks
-the holder to hold those blocks (`LeasePrefix`) and puts its answer, signed with the cluster's handle key
-over the prefix's tokens, into the Prefill request as `prefix_kv`. The chosen worker pulls them before it
-prefills (prefill_worker/prefix_pull.py). Anything short of a lease (the holder gone, slow, no longer
+another worker holds, and moving them is cheaper than computing them; or `Route.pull`, the same for a
+decode worker computing the prompt itself), `lease` asks the holder to hold those blocks (`LeasePrefix`)
+and puts its answer, signed with the cluster's handle key over the prefix's tokens, into the Prefill (or
+Decode) request as `prefix_kv`. The chosen worker pulls them before it computes the rest
+(worker_runtime/prefix_pulls.py). Anything short of a lease (the holder gone, slow, no longer
 holding the blocks) leaves the request as it was: the worker computes the prefix. The lease's id joins
 the sample's touched list, so a sample that fails frees it on the holder at once.
 """
@@ -38,10 +39,11 @@ class PeerPulls:
         self.handle_key: bytes | None = None
         self._aborts: set[asyncio.Task] = set()
 
-    async def lease(self, sample_id: str, prompt: list[int], pick, request: worker_pb2.PrefillRequest,
-                    touched: list, block_size: int, attempt: int = 0) -> int:
-        """Lease `pick.pull` for `request` (setting its `prefix_kv`); returns the prompt blocks the chosen worker
-        will hold once it has pulled them (0: no pull, it computes them)."""
+    async def lease(self, sample_id: str, prompt: list[int], pick, request, touched: list, block_size: int,
+                    attempt: int = 0) -> int:
+        """Lease `pick.pull` (a PrefillPick's or a Route's) for `request` (a PrefillRequest or DecodeRequest:
+        sets its `prefix_kv`); returns the prompt blocks the chosen worker will hold once it has pulled them
+        (0: no pull, it computes them)."""
         if pick.pull is None:
             return 0
         holder = self.pool.get(pick.pull.holder)

@@ -152,7 +152,9 @@ class GenerationPipeline:
             decode_req = worker_pb2.DecodeRequest(request_id=sample_id, prompt_token_ids=prompt, params=params_msg,
                                                   cache_salt=request.cache_salt)
             cached = None
-            if route.remote_prefill:
+            if not route.remote_prefill:  # computed on the decode worker, after pulling what a peer holds
+                await self.peer_pulls.lease(sample_id, prompt, route, decode_req, touched, self.selector.block_size)
+            else:
                 first = await self._prefill(sample_id, prompt, hashes, params_msg, deadline, touched, route,
                                             request.cache_salt)
                 cached = first.cached_tokens

@@ -40,7 +40,10 @@ Decode, in running requests:
 
 where `uncached_fraction` is the part of the prompt the worker does not hold
 (tier-weighted as above; it would pull it from prefill, or skip remote prefill when it holds nearly
-all of it): a returning conversation goes back to where its context lives.
+all of it): a returning conversation goes back to where its context lives. When the decode worker
+computes the prompt itself (no prefill pool), blocks it could pull from a peer count as held, each by
+the part of its compute the pull saves (`pull_worth`: 1 - block_s / (block_size * token_s)): where pulls
+are cheap a conversation is no longer tied to one busy worker.
 Near-ties (within `decode_tie`) are broken the same way as prefill.
 
 Peer pulls (`prefix` with `PullOption`s): a candidate lacking blocks another prefill worker holds on its
@@ -309,11 +312,23 @@ class RoutingPolicy:
             return 0
         return max(0, min(c.pull.blocks, prompt_blocks) - int(c.cached_blocks))
 
-    def decode_cost(self, c: Candidate, prompt_blocks: int = 0) -> float:
+    def decode_cost(self, c: Candidate, prompt_blocks: int = 0, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
         cost = c.running + self.weights.kv_weight * c.kv_usage
         if self.uses_prefix and prompt_blocks:
-            cost += self.weights.hold_weight * max(0, prompt_blocks - c.cached_blocks) / prompt_blocks
+            held = c.cached_blocks + self.pull_worth(c, prompt_blocks, block_size)
+            cost += self.weights.hold_weight * max(0.0, prompt_blocks - held) / prompt_blocks
         return cost
+
+    def pull_worth(self, c: Candidate, prompt_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+        """The blocks `c` could pull from its `pull` holder, in blocks held: each saves its compute less its
+        move, so over a link that moves a block slower than it is computed a peer's copy is worth nothing."""
+        pulled = self.pull_blocks(c, prompt_blocks)
+        if not pulled:
+            return 0.0
+        token_s, _ = self.speeds(c, block_size)
+        block_compute_s = self.weights.overlap_weight * block_size * token_s
+        block_s = c.block_s if c.block_s is not None else c.block_bytes / DEFAULT_LINK_BYTES_PER_S
+        return pulled * max(0.0, 1.0 - block_s / block_compute_s) if block_compute_s else 0.0
 
     def pick_prefill(self, candidates: list[Candidate], prompt_blocks: int, key: int | None = None,
                      block_size: int = DEFAULT_BLOCK_SIZE) -> Candidate | None:
@@ -326,8 +341,8 @@ class RoutingPolicy:
                           key, lambda best: max(self.weights.tie_ratio * best, noise), min(prompt_blocks, KEY_BLOCKS))
 
     def pick_decode(self, candidates: list[Candidate], prompt_blocks: int = 0,
-                    key: int | None = None) -> Candidate | None:
-        return self._pick("decode", candidates, lambda c: self.decode_cost(c, prompt_blocks),
+                    key: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Candidate | None:
+        return self._pick("decode", candidates, lambda c: self.decode_cost(c, prompt_blocks, block_size),
                           key, lambda best: self.weights.decode_tie, min(prompt_blocks, KEY_BLOCKS))
 
     def _pick(self, role: str, candidates: list[Candidate], cost, key, tolerance,

@@ -8,6 +8,9 @@ prompt (its own prefix cache on any medium, as its KV events say: a block in
 its host memory or on its disk is loaded there, not pulled), it prefills the rest
 itself; so it does when the link into it moves KV slower than the prefill pool
 computes it (router/link_estimate.py, with `link_aware_prefill`).
+A decode worker computing the prompt itself (no prefill pool, or a slow link) pulls the prefix a peer
+holds first when the policy's plan says that beats computing it (`Route.pull`); with no prefill pool the
+decode choice sees those copies too (`RoutingPolicy.decode_cost`).
 `pick_prefill` then chooses the prefill worker by the routing policy's cost (uncached prompt blocks, plus load),
 and whether it pulls a prefix another worker (prefill or decode) holds rather than compute it
 (`PrefillPick.pull`; router/README.md, "Peer prefix pulls").
@@ -45,6 +48,8 @@ class Route:
     """Why the decode worker prefills itself: "cached" (all but a few tokens held there) or "slow_link"."""
     prefill: WorkerClient | None = None
     """Set once a prefill worker is chosen (the last one tried)."""
+    pull: PullOption | None = None
+    """Without remote prefill: the decode worker pulls `pull.blocks` leading blocks from `pull.holder` first."""
 
 
 @dataclass
@@ -157,19 +162,38 @@ class WorkerSelector:
         prefill = self.pool.healthy("prefill")
         if prefill and not any(w.has_room for w in prefill):
             return None  # (none healthy at all: the prefill pick reports UNAVAILABLE)
-        chosen = self.policy.pick_decode(self._candidates(decode, block_hashes), len(block_hashes),
-                                         routing_key(block_hashes))
+        candidates = self._candidates(decode, block_hashes)
+        local = not self.pool.has_role("prefill")
+        if local and self.peer_pulls and self.policy.uses_prefix:  # the chosen one computes the prompt: peers'
+            self._add_pull_options(candidates, self._pullable(prompt, block_hashes))  # copies count as held
+        chosen = self.policy.pick_decode(candidates, len(block_hashes), routing_key(block_hashes), self.block_size)
         worker = self.pool.get(chosen.address)
         worker.begin_decode()
         # Blocks it holds on any medium: it loads its own host or disk copies rather than pull them.
         uncached = len(prompt) - chosen.held * self.block_size
-        if not self.pool.has_role("prefill"):
-            return Route(worker, False)
+        if local:
+            return self._local(Route(worker, False), chosen, prompt, block_hashes)
         if uncached < self.skip_prefill_tokens:
             return Route(worker, False, "cached")
         if self.link_aware and not self._link_pays(worker, prefill) and worker.link.skip_or_probe():
-            return Route(worker, False, "slow_link")
+            return self._local(Route(worker, False, "slow_link"), chosen, prompt, block_hashes)
         return Route(worker, True)
+
+    def _local(self, route: Route, chosen: Candidate, prompt: list[int], block_hashes: list[int]) -> Route:
+        """A decode worker computing the prompt itself: whether it pulls a prefix a peer holds first (the
+        policy's plan on it, as for a prefill worker)."""
+        if not (self.peer_pulls and self.policy.uses_prefix):
+            return route
+        if chosen.pull is None:
+            self._add_pull_options([chosen], self._pullable(prompt, block_hashes))
+        pulled = self.policy.prefill_plan(chosen, len(block_hashes), self.block_size).pull_blocks
+        if pulled:
+            route.pull = PullOption(chosen.pull.holder, int(chosen.cached_blocks) + pulled, chosen.pull.lease_s)
+        return route
+
+    def _pullable(self, prompt: list[int], block_hashes: list[int]) -> list[int]:
+        """The blocks of a prompt a pull may bring: never its last token's (computed for its logits)."""
+        return block_hashes[:(len(prompt) - 1) // self.block_size]
 
     def _link_pays(self, decode: WorkerClient, prefill: list[WorkerClient]) -> bool:
         """Whether KV moves into `decode` at least as fast as the prefill pool computes it (per token)."""

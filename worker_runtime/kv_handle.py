@@ -9,12 +9,14 @@ field is checked here and a bad one is refused as `InvalidParameter` naming it (
   block_ids       non-empty, distinct, each in [0, MAX_BLOCK_ID]
   capability      at most MAX_TRANSFER_ID_CHARS characters (the sender's per-transfer secret)
 Whether the handle was signed by a router of the cluster is checked before this
-(`common.cluster_auth.handles.verify`).
+(`common.cluster_auth.handles.verify`); for a request's `prefix_kv` (a peer's lease on the prompt's
+leading blocks), `prefix_source` checks both.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.cluster_auth import handles
 from common.protocol import worker_pb2
 from engine.sampling_params import InvalidParameter
 
@@ -45,6 +47,22 @@ class KVSource:
         _need(handle.HasField("peer"), f"{field}.peer", "missing")
         return cls(parse_peer(handle.peer, field), check_transfer_id(handle.transfer_id, field),
                    check_block_ids(list(handle.block_ids), field), first_token_id, handle.capability)
+
+
+def prefix_source(request, prompt: list[int], block_size: int, handle_key: bytes | None) -> KVSource | None:
+    """The checked `prefix_kv` of a Prefill or Decode call (None without one): signed by a router for the
+    prompt's first `num_tokens` tokens, whole blocks, one block id per block. Raises InvalidParameter."""
+    if not request.HasField("prefix_kv"):
+        return None
+    handle = request.prefix_kv
+    if not 0 < handle.num_tokens <= len(prompt) or handle.num_tokens % block_size:
+        raise InvalidParameter("prefix_kv.num_tokens", f"must be whole blocks of {block_size} tokens within "
+                                                       f"the prompt, got {handle.num_tokens}")
+    if len(handle.block_ids) != handle.num_tokens // block_size:
+        raise InvalidParameter("prefix_kv.block_ids", "must have one id per block of num_tokens")
+    if handle_key is not None and not handles.verify(handle_key, handle, prompt[:handle.num_tokens]):
+        raise InvalidParameter("prefix_kv", "the handle is not signed by a router of this cluster for this prompt")
+    return KVSource.from_handle(handle, field="prefix_kv")
 
 
 def peer_to_proto(info: dict) -> worker_pb2.KVPeer:

@@ -4,9 +4,9 @@ One cluster for the module: prefill workers A and B, one decode worker, a router
 sends a returning prompt to B with a pull when its holder A is busy (B computes only the rest, the output
 is the one A alone gives); called directly, B pulls a prefix A holds and computes the uncached rest with
 the first token A would give, and pulls a finished turn's context (its answer included) from the decode
-worker that served it; a lease under another tenant's salt finds nothing; an expired lease, and a
-holder killed after its lease was granted, fall back to computing with the same first token; nothing is
-leaked on any live worker.
+worker that served it; the decode worker, computing a prompt itself, pulls A's prefix too; a lease under
+another tenant's salt finds nothing; an expired lease, and a holder killed after its lease was granted, fall
+back to computing with the same first token; nothing is leaked on any live worker.
 """
 import time
 
@@ -106,6 +106,26 @@ def test_b_pulls_a_conversation_from_the_decode_worker_that_served_it(cluster):
     got = prefill(b, "c", follow, prefix_kv=answer.kv)
     assert list(got.first.token_ids) == list(expected.first.token_ids)
     assert got.cached_tokens >= answer.num_tokens
+    assert_no_leaks(cluster[:3])
+
+
+def test_a_decode_worker_computing_the_prompt_pulls_the_prefix_a_holds(cluster):
+    """A Decode call with no first token (the decode worker prefills itself) carrying A's lease."""
+    a, decode = cluster[0], cluster[2]
+    prompt = list(range(40000, 40000 + 12 * BLOCK + 7))
+    prefill(a, "warm-d", prompt[:12 * BLOCK] + [1])
+    expected = prefill(a, "ref-d", prompt)
+    answer = lease(a, "d~pull0", prompt[:12 * BLOCK])
+    before = stats(decode)
+    greedy = generate_pb2.SamplingParams(max_tokens=3, temperature=0.0)
+    stream = stub(decode).Decode(worker_pb2.DecodeRequest(request_id="d", prompt_token_ids=prompt, params=greedy,
+                                                          prefix_kv=answer.kv), timeout=120)
+    msgs = list(stream)
+    tokens = [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids]
+    assert tokens[0] == expected.first.token_ids[0]
+    assert msgs[-1].complete.usage.cached_tokens == 12 * BLOCK  # pulled, not computed
+    after = stats(decode)
+    assert (after.peer_pulls - before.peer_pulls, after.peer_pull_tokens - before.peer_pull_tokens) == (1, 12 * BLOCK)
     assert_no_leaks(cluster[:3])
 
 

@@ -111,9 +111,10 @@ def test_b_pulls_a_prefix_a_keeps_only_in_host_memory(run):
     """A's lease loads the blocks back from its host tier first, then B pulls them."""
     async def body(a, b):
         shared, prompt, expected = await warmed(a, b)
-        while await a.loop.call(lambda: a.engine.scheduler.offload.busy):  # A's blocks reach its host tier
-            await asyncio.sleep(0.01)
-        await a.loop.call(a.engine.kv.pool.reset_prefix_cache)  # and leave its device
+        for w in (a, b):  # A's blocks reach its host tier and leave its device; B's own copies leave its device
+            while await w.loop.call(lambda w=w: w.engine.scheduler.offload.busy):  # (a block being stored stays)
+                await asyncio.sleep(0.01)
+            await w.loop.call(w.engine.kv.pool.reset_prefix_cache)
         source = await lease(a, "p1~pull", shared)
         assert len(source.block_ids) == 5 and a.engine.kv_tier_stats()["cpu"]["hits"] == 5
         first = await b.prefill("p1", prompt, prefix=source, prefix_tokens=len(shared))

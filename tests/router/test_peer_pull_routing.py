@@ -174,3 +174,44 @@ def test_a_decode_worker_holding_the_conversation_is_a_holder_too():
     index.load_snapshot("d:1", 1, [(h, "device") for h in HASHES[:40]])
     pick = selector.pick_prefill(len(PROMPT), HASHES)
     assert pick.worker.address in ("h:1", "o:1") and pick.pull == PullOption("d:1", 40)
+
+
+def make_local(peer_pulls=True):
+    """No prefill pool: the decode workers compute prompts themselves."""
+    pool = WorkerPool([], ["d:1", "d:2"])
+    for w in pool.workers:
+        w.healthy = True
+        w.stats = worker_pb2.WorkerStats(role=w.role, block_size=BLOCK, max_num_requests=8, kv_blocks_total=1000,
+                                         kv_block_bytes=BLOCK_BYTES)
+    index = KvIndex()
+    for w in pool.workers:
+        index.load_snapshot(w.address, 0, [])
+    index.load_snapshot("d:1", 1, [(h, "device") for h in HASHES[:40]])
+    selector = WorkerSelector(pool, index, RoutingPolicy("prefix"), AdmissionQueue(0, 1.0), peer_pulls=peer_pulls)
+    return pool, index, selector
+
+
+def test_a_decode_worker_computing_the_prompt_pulls_what_a_busy_peer_holds():
+    pool, index, selector = make_local()
+    route = selector._reserve(PROMPT, HASHES)
+    assert (route.decode.address, route.remote_prefill, route.pull) == ("d:1", False, None)  # the idle holder
+    for _ in range(2):  # d:1 is two requests busier
+        pool.get("d:1").begin_decode()
+    route = selector._reserve(PROMPT, HASHES)
+    assert route.decode.address == "d:2" and route.pull == PullOption("d:1", 40)
+    # Without pulls the held context outweighs the same load: the choice stays with the holder.
+    pool, index, selector = make_local(peer_pulls=False)
+    for _ in range(2):
+        pool.get("d:1").begin_decode()
+    assert selector._reserve(PROMPT, HASHES).decode.address == "d:1"
+
+
+def test_a_peer_copy_is_worth_to_the_decode_choice_what_its_pull_saves():
+    policy = RoutingPolicy("prefix")
+    holder = Candidate("d:1", running=1, cached_blocks=40)
+    other = Candidate("d:2", pull=PullOption("d:1", 40), block_bytes=BLOCK_BYTES)
+    assert policy.pull_worth(other, 42) == pytest.approx(40 * (1 - BLOCK_BYTES / 1e9 / (BLOCK * 0.0009)))
+    assert policy.decode_cost(other, 42) < policy.decode_cost(holder, 42)
+    other.block_s = 2 * BLOCK * 0.0009  # a link slower than computing: the copy is worth nothing
+    assert policy.pull_worth(other, 42) == 0
+    assert policy.decode_cost(other, 42) > policy.decode_cost(holder, 42)

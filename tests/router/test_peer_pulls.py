@@ -2,7 +2,8 @@
 
 Checked: a lease goes into the Prefill request signed over the prefix's tokens and joins the sample's
 touched list (a failing sample aborts it on the holder); a holder that holds nothing any more (evicted),
-answers with an error, or left rotation leaves the request as it was, so the worker computes the prefix.
+answers with an error, or left rotation leaves the request as it was, so the worker computes the prefix;
+with no prefill pool the pipeline hands a busy peer's lease to the decode worker that computes the prompt.
 """
 import asyncio
 
@@ -11,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from common.cluster_auth import handles
-from common.protocol import worker_pb2
+from common.protocol import generate_pb2, worker_pb2
 from router.kv_index import KvIndex
 from router.peer_pulls import PeerPulls
 from router.routing_metrics import RoutingMetrics
@@ -96,3 +97,46 @@ def test_no_lease_leaves_the_request_to_compute_the_prefix(answer, healthy, name
     assert outcome(metrics, name) == 1 and outcome(metrics, "leased") == 0
     if name == "lease_failed":  # it may still grant it: the lease is aborted by its id
         assert [c.request_id for c in holder.stub.calls[1:]] == ["s~pull0"]
+
+
+class FakeDecodeWorker(FakeHolder):
+    """A decode worker: leases what it holds, and answers Decode with one token that ends the sample."""
+
+    def Decode(self, request, timeout=None):  # noqa: N802
+        from tests.router.test_migration import _FakeDecodeCall
+        self.calls.append(request)
+        return _FakeDecodeCall([
+            generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(token_ids=[9])),
+            generate_pb2.GenerateResponse(complete=generate_pb2.Complete(
+                finish_reason=generate_pb2.FINISH_REASON_LENGTH, usage=generate_pb2.Usage(prompt_tokens=1)))])
+
+
+def test_a_decode_worker_computing_the_prompt_gets_the_lease_of_a_busy_peer():
+    """No prefill pool: the pipeline leases the prefix on the busy holder and hands it to the decode worker."""
+    from engine.sampling_params import SamplingParams
+    from router.config import RouterConfig
+    from router.pipeline import GenerationPipeline
+    from router.request_builder import PreparedRequest
+    from tests.router.test_peer_pull_routing import PROMPT as LONG_PROMPT
+    from tests.router.test_peer_pull_routing import make_local
+
+    pool, _, selector = make_local()
+    kv = worker_pb2.KVHandle(transfer_id="x", block_ids=list(range(40)), num_tokens=40 * BLOCK, capability="c")
+    holder, other = pool.get("d:1"), pool.get("d:2")
+    holder.stub = FakeDecodeWorker(worker_pb2.PrefixLeaseResponse(kv=kv, num_tokens=40 * BLOCK))
+    other.stub = FakeDecodeWorker(None)
+    for _ in range(2):
+        holder.begin_decode()
+
+    async def scenario():
+        pipeline = GenerationPipeline(RouterConfig(), selector)
+        request = PreparedRequest("r", LONG_PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
+        try:
+            return [m async for m in pipeline.generate(request)]
+        finally:
+            await pipeline.wait_background()
+    assert asyncio.run(scenario())[-1].HasField("complete")
+    (lease,) = holder.stub.calls
+    assert lease.lease_id.endswith("~pull0") and len(lease.token_ids) == 40 * BLOCK
+    (decode,) = other.stub.calls
+    assert not decode.HasField("first_token_id") and decode.prefix_kv.block_ids == kv.block_ids

@@ -52,8 +52,9 @@ class FakeLoop:
         self.calls.append(("lease", lease_id, len(token_ids), cache_salt, lease_s))
         return PrefixLease(PEER, lease_id, [7, 8], "cap") if token_ids[0] != 0 else None
 
-    async def decode(self, rid, prompt, params, source, sink, cache_salt="", resume_token_ids=()):
-        self.calls.append(("decode", rid, source))
+    async def decode(self, rid, prompt, params, source, sink, cache_salt="", resume_token_ids=(), prefix=None,
+                     prefix_tokens=0):
+        self.calls.append(("decode", rid, source) + ((prefix, prefix_tokens) if prefix else ()))
         for item in self.script:
             asyncio.get_running_loop().call_soon(sink, item)
 
@@ -232,21 +233,57 @@ def test_prefill_hands_a_signed_prefix_handle_to_the_loop():
     assert source.first_token_id is None and source.peer_info["port"] == 7100
 
 
+def local_decode_request(**fields):
+    """A Decode call the worker computes itself: no first token, no KV handle."""
+    return worker_pb2.DecodeRequest(**({"request_id": "d1", "prompt_token_ids": list(range(1, 20)),
+                                        "params": params()} | fields))
+
+
+def call_with_prefix(service, role, prompt, handle, **fields):
+    if isinstance(role, PrefillRole):
+        return run(service.Prefill(prefill_request(prompt_token_ids=prompt, prefix_kv=handle), FakeContext()))
+
+    async def call():
+        request = local_decode_request(prompt_token_ids=prompt, prefix_kv=handle, **fields)
+        return [r async for r in service.Decode(request, FakeContext())]
+    return run(call())
+
+
+def test_a_decode_worker_computing_the_prompt_gets_the_signed_prefix_handle_too():
+    from common.cluster_auth import handles
+    loop = FakeLoop([SampleDelta("d1", 0, [11], "a", finished=True, finish_reason="length")])
+    service = servicer(DecodeRole(), loop)
+    service.handle_key = b"k" * 32
+    prompt, handle = list(range(1, 20)), prefix_handle()
+    handles.sign(service.handle_key, handle, prompt[:16])
+    call_with_prefix(service, DecodeRole(), prompt, handle)
+    (_, rid, source, prefix, prefix_tokens), = loop.calls
+    assert (rid, source, prefix_tokens, prefix.block_ids, prefix.first_token_id) == ("d1", None, 16, [5], None)
+    loop.calls.clear()
+    kv = decode_request().kv
+    handles.sign(service.handle_key, kv, prompt)
+    with pytest.raises(Aborted) as caught:  # a prompt computed elsewhere has nothing to pull a prefix for
+        call_with_prefix(service, DecodeRole(), prompt, handle, first_token_id=9, kv=kv)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details.startswith("prefix_kv")
+    assert loop.calls == []
+
+
+@pytest.mark.parametrize("role", [PrefillRole(), DecodeRole()])
 @pytest.mark.parametrize(("handle", "signed", "field"), [
     (prefix_handle(num_tokens=8), True, "prefix_kv.num_tokens"),  # not whole blocks
     (prefix_handle(num_tokens=32, block_ids=(5, 6)), True, "prefix_kv.num_tokens"),  # past the prompt
     (prefix_handle(block_ids=(5, 6)), True, "prefix_kv.block_ids"),  # one id per block
     (prefix_handle(), False, "prefix_kv"),  # not signed by a router
 ])
-def test_a_bad_prefix_handle_is_refused_naming_the_field(handle, signed, field):
+def test_a_bad_prefix_handle_is_refused_naming_the_field(role, handle, signed, field):
     from common.cluster_auth import handles
     loop = FakeLoop()
-    service = servicer(PrefillRole(), loop)
+    service = servicer(role, loop)
     service.handle_key = b"k" * 32
     prompt = list(range(1, 20))
     if signed:
         handles.sign(service.handle_key, handle, prompt[:handle.num_tokens])
     with pytest.raises(Aborted) as caught:
-        run(service.Prefill(prefill_request(prompt_token_ids=prompt, prefix_kv=handle), FakeContext()))
+        call_with_prefix(service, role, prompt, handle)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details.startswith(field)
     assert loop.calls == []

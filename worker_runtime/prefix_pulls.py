@@ -1,7 +1,8 @@
-"""Peer prefix pulls on a prefill worker's engine thread: fetch a cached prefix from another worker, then prefill.
+"""Peer prefix pulls on a worker's engine thread: fetch a cached prefix from another worker, then compute the rest.
 
-A Prefill call may carry `prefix_kv`: another prefill worker holds the prompt's leading blocks (its
-`LeasePrefix` answer, relayed by the router). Before the prompt enters the engine, this worker reserves
+A Prefill call, or a Decode call the decode worker prefills itself, may carry `prefix_kv`: another worker
+holds the prompt's leading blocks (its `LeasePrefix` answer, relayed by the router). Before the prompt
+enters the engine, this worker reserves
 blocks for that prefix (reusing any it has cached itself), pulls the rest over kv_transfer — the same
 receiver, capability and layout checks as a decode worker's pull — and enters them into its prefix cache
 as if it had computed them; the prompt then prefills only what follows. Every other outcome (no free
