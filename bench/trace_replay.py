@@ -9,8 +9,8 @@ holds --kv-fraction of the slice's distinct 16-token blocks, so where a turn goe
 history is a cache hit.
 
 Policies: `prefix` (peer pulls on: a prefill worker lacking a prefix another holds pulls it when that is
-cheaper than computing it), `prefix-no-pull` (`--no-peer-pulls`: the policy before peer pulls),
-`round_robin`, `least_loaded`.
+cheaper than computing it; with --prefill 0 the decode workers compute the prompts and pull the same way),
+`prefix-no-pull` (`--no-peer-pulls`: the policy before peer pulls), `round_robin`, `least_loaded`.
 
 Reported per policy: TTFT mean/p50/p90/p99 (ms) over all turns and mean TTFT of turns 2+, the prefix hit
 ratio the engines achieved (usage.cached_tokens / prompt tokens) against the trace's ideal (every block
@@ -94,9 +94,11 @@ def run_policy(policy: str, args, kv_gib: float) -> dict:
             run = json.loads(out.read_text())
         url = router.metrics_url
         computed = metric_value(url, "pdserve:router_prefill_tokens_total") or 0.0
+        if not args.prefill:  # the decode workers compute the prompts: what their usage says they did not reuse
+            computed = float(run["total_input_tokens"] - run["total_cached_tokens"])
         leased = metric_value(url, "pdserve:router_peer_pulls_total", outcome="leased") or 0.0
-        pulled = 16 * (metric_value(url, "pdserve:router_prefix_hit_blocks_by_source_total", source="peer",
-                                    medium="device") or 0.0)
+        pulled = 16 * sum(metric_value(url, "pdserve:router_prefix_hit_blocks_by_source_total", source="peer",
+                                       medium=medium) or 0.0 for medium in ("device", "cpu", "disk"))
     finally:
         stop_all(procs)
     turns = run.get("per_turn", {})

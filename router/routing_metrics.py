@@ -73,17 +73,20 @@ class RoutingMetrics:
             self.skipped_prefill.labels(route.skip_reason).inc()
 
     def observe_prefill(self, worker, prompt_blocks: int, cached_blocks: int, local_media: dict[str, int],
-                        pulled_blocks: int = 0) -> None:
+                        peer_media: dict[str, int] | None = None) -> None:
         """A prefill worker chosen: `cached_blocks` of the prompt held there (`local_media`: by best medium),
-        `pulled_blocks` more planned to come from a peer."""
+        more planned to come from a peer (`peer_media`: by the best medium holding them there)."""
         self.decisions.labels("prefill", worker.address).inc()
         self.query_blocks.inc(prompt_blocks)
         self.hit_blocks.inc(cached_blocks)
-        for medium, count in local_media.items():
+        self.observe_hits("local", local_media)
+        self.observe_hits("peer", peer_media or {})
+
+    def observe_hits(self, source: str, media: dict[str, int]) -> None:
+        """Prompt blocks a worker will not compute, by where they come from ("local", "peer") and medium."""
+        for medium, count in media.items():
             if count:
-                self.hits_by_source.labels("local", medium).inc(count)
-        if pulled_blocks:
-            self.hits_by_source.labels("peer", "device").inc(pulled_blocks)
+                self.hits_by_source.labels(source, medium).inc(count)
 
     def observe_prefill_done(self, computed_tokens: int, predicted_s: float, observed_s: float) -> None:
         self.prefill_tokens.inc(max(0, computed_tokens))

@@ -131,8 +131,13 @@ class WorkerSelector:
             pick.pull = PullOption(chosen.pull.holder, int(chosen.cached_blocks) + pulled, chosen.pull.lease_s)
         if self.metrics is not None:
             media = self.index.best_media(block_hashes[:chosen.held], chosen.address)
-            self.metrics.observe_prefill(pick.worker, len(block_hashes), chosen.held, media, pulled)
+            self.metrics.observe_prefill(pick.worker, len(block_hashes), chosen.held, media,
+                                         self._peer_media(pick.pull, block_hashes, int(chosen.cached_blocks)))
         return pick
+
+    def _peer_media(self, pull: PullOption | None, block_hashes: list[int], own: int) -> dict[str, int]:
+        """The blocks a planned pull brings, by the best medium holding them on the holder."""
+        return self.index.best_media(block_hashes[own:pull.blocks], pull.holder) if pull is not None else {}
 
     def _add_pull_options(self, candidates: list[Candidate], block_hashes: list[int]) -> None:
         """Give each candidate the deepest copy of the prompt's prefix on another worker: a prefill worker's, or
@@ -189,6 +194,8 @@ class WorkerSelector:
         pulled = self.policy.prefill_plan(chosen, len(block_hashes), self.block_size).pull_blocks
         if pulled:
             route.pull = PullOption(chosen.pull.holder, int(chosen.cached_blocks) + pulled, chosen.pull.lease_s)
+            if self.metrics is not None:
+                self.metrics.observe_hits("peer", self._peer_media(route.pull, block_hashes, int(chosen.cached_blocks)))
         return route
 
     def _pullable(self, prompt: list[int], block_hashes: list[int]) -> list[int]:

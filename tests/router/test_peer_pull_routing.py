@@ -215,3 +215,25 @@ def test_a_peer_copy_is_worth_to_the_decode_choice_what_its_pull_saves():
     other.block_s = 2 * BLOCK * 0.0009  # a link slower than computing: the copy is worth nothing
     assert policy.pull_worth(other, 42) == 0
     assert policy.decode_cost(other, 42) > policy.decode_cost(holder, 42)
+
+
+def test_hits_are_counted_by_source_and_by_the_medium_holding_them():
+    from prometheus_client import CollectorRegistry
+
+    from router.routing_metrics import RoutingMetrics
+    pool, index, selector = make()
+    selector.metrics = metrics = RoutingMetrics(CollectorRegistry(), index, lambda: 0)
+    index.load_snapshot("o:1", 1, [(h, "device") for h in HASHES[:5]])
+    index.load_snapshot("h:1", 1, [(h, "device") for h in HASHES[:20]] + [(h, "cpu") for h in HASHES[20:40]])
+    pool.get("h:1").stats.num_waiting_tokens = 100 * BLOCK
+    assert selector.pick_prefill(len(PROMPT), HASHES).pull == PullOption("h:1", 40)
+
+    def hits(source, medium):
+        return metrics.hits_by_source.labels(source, medium)._value.get()
+    assert (hits("local", "device"), hits("peer", "device"), hits("peer", "cpu")) == (5, 15, 20)
+    pool, index, selector = make_local()
+    selector.metrics = metrics = RoutingMetrics(CollectorRegistry(), index, lambda: 0)
+    pool.get("d:1").begin_decode()
+    pool.get("d:1").begin_decode()
+    assert selector._reserve(PROMPT, HASHES).pull == PullOption("d:1", 40)
+    assert hits("peer", "device") == 40  # a decode worker computing the prompt: its pull counts too
