@@ -5,6 +5,15 @@ from dataclasses import dataclass, field, replace
 
 from engine.kv_offload.config import OffloadConfig
 
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    """`--pp-layer-partition`'s type: `10,11, 9` -> (10, 11, 9)."""
+    try:
+        return tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ValueError(f"expected layer counts separated by commas (e.g. 10,11), got {text!r}") from None
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -156,6 +165,16 @@ class EngineConfig:
     """Mixture-of-Experts models with tensor_parallel_size > 1: each rank holds E / tensor_parallel_size whole
     experts instead of a slice of every expert; attention stays split by heads
     (engine/parallel/expert_parallel.py). Refused for a dense model, one rank, or an E the ranks do not split."""
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "processes (GPUs on CUDA) that each hold a contiguous range of the layers (pipeline stages); "
+                "hidden states pass stage to stage"})
+    """Pipeline stages (processes; GPUs on CUDA), each holding a contiguous range of the layers and their KV
+    (engine/parallel/pipeline.py): the embedding on the first, the LM head on the last. Not combined with
+    tensor parallelism, KV tiers or a worker's KV transfer yet: the offline engine only."""
+    pp_layer_partition: tuple[int, ...] | None = field(default=None, metadata={
+        "type": layer_counts, "metavar": "N,N,...",
+        "help": "layers per pipeline stage, first to last (default: an even split, the remainder to the first)"})
+    """Layers per stage, first to last (None: an even split, one more layer each for the first stages)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig, metadata={"group": "KV cache"})
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
@@ -175,6 +194,15 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size < 2:
             raise ValueError("enable_expert_parallel needs tensor_parallel_size > 1 (the ranks the experts are "
                              f"split over), got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
+            raise ValueError(f"pp_layer_partition needs one layer count per pipeline stage "
+                             f"({self.pipeline_parallel_size}), got {list(self.pp_layer_partition)}")
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
+        if self.pipeline_parallel_size > 1 and self.cache.offload.enabled:
+            raise ValueError("KV offload tiers with pipeline_parallel_size > 1 are not supported yet")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

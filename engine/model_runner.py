@@ -14,6 +14,7 @@ from engine.model.loader import load_model, resolve_dtype
 from engine.model.model_config import ModelConfig
 from engine.paged_inputs import PagedInputBuilder
 from engine.parallel import shared_kv
+from engine.parallel.pipeline import PipelineStage
 from engine.parallel.tp_group import TPGroup
 from engine.scheduler import SchedulerOutput
 from engine.varlen_inputs import VarlenInputBuilder
@@ -21,39 +22,43 @@ from engine.varlen_inputs import VarlenInputBuilder
 logger = logging.getLogger(__name__)
 
 
-def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block: K and V of every layer for block_size tokens."""
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes of one block: K and V of every layer (or of `num_layers`: a pipeline stage's) for block_size tokens."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
+    layers = model.num_layers if num_layers is None else num_layers
+    return layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig, max_model_len: int,
-                 tp: TPGroup | None = None) -> None:
-        """With `tp` (tensor parallelism), this rank's shard of the weights and of the KV heads; every
-        rank builds its runner at the same time (they agree on the number of KV blocks)."""
+                 tp: TPGroup | None = None, stage: PipelineStage | None = None) -> None:
+        """With `tp` (tensor parallelism), this rank's shard of the weights and of the KV heads; with `stage`
+        (pipeline parallelism), that stage's layers and the KV of those layers. Every rank or stage builds
+        its runner at the same time (they agree on the number of KV blocks)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.cache.block_size
         self.model = load_model(model_path, model_config, self.dtype, self.device,
-                                config.attention_backend, max_model_len, config.quantization, tp)
+                                config.attention_backend, max_model_len, config.quantization, tp, stage)
         self.tp = tp
+        self.stage = stage
         self.peers = None
         """Rank 0 of a tensor-parallel engine: the executor that runs each forward on the other ranks too."""
         model_config = self.model.config  # this rank's heads
         self.varlen = VarlenInputBuilder(self.block_size, self.device) if self.model.attention.varlen else None
         self.paged = None if self.varlen is not None else PagedInputBuilder(self.block_size, self.device)
         self.kv_dtype = self._kv_dtype(model_path, model_config)
-        block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_dtype)
+        num_layers = len(self.model.layers)  # a pipeline stage's KV holds its own layers only
+        block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_dtype, num_layers)
         self.num_blocks = config.cache.num_blocks or max(1, self._kv_cache_bytes(model_config) // block_bytes)
-        if tp is not None:
-            self.num_blocks = tp.min(self.num_blocks)
-        kv_shape = (self.num_blocks, model_config.num_layers, 2, self.block_size,
-                    model_config.num_kv_heads, model_config.head_dim)
+        group = tp if tp is not None else (stage.group if stage is not None else None)
+        if group is not None:
+            self.num_blocks = group.min(self.num_blocks)
+        kv_shape = (self.num_blocks, num_layers, 2, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_export = None
-        """Ranks 1..N-1 of a tensor-parallel engine: the handle rank 0 maps this rank's KV cache with."""
-        if tp is not None and tp.rank > 0:
+        """Ranks (stages) 1..N-1 of a parallel engine: the handle rank 0 maps this rank's KV cache with."""
+        if group is not None and group.rank > 0:
             self.kv_cache, self._kv_memory = shared_kv.allocate(kv_shape, self.kv_dtype, self.device)
             self.kv_export = shared_kv.export(self.kv_cache, self._kv_memory)
         else:
@@ -63,7 +68,7 @@ class ModelRunner:
         self.graphs = None
         self.num_graph_steps = 0
         """Steps replayed from a captured decode graph (the rest ran eagerly)."""
-        if self.device.type == "cuda" and config.cuda_graphs and self.varlen is not None and tp is None:
+        if self.device.type == "cuda" and config.cuda_graphs and self.varlen is not None and group is None:
             from engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs,
                                        -(-max_model_len // self.block_size))
@@ -124,7 +129,7 @@ class ModelRunner:
         model_config = self.model.config
         tokens = token_ids.shape[0]
         blocks = -(-tokens // self.block_size)
-        cache = torch.zeros((blocks, model_config.num_layers, 2, self.block_size, model_config.num_kv_heads,
+        cache = torch.zeros((blocks, len(self.model.layers), 2, self.block_size, model_config.num_kv_heads,
                              model_config.head_dim), dtype=self.kv_dtype, device=self.device)
         dev = self.device
         positions = torch.arange(tokens, device=dev)
@@ -135,7 +140,7 @@ class ModelRunner:
                                  block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
                                  max_query_len=tokens,
                                  prefills=[PrefillSpan(0, tokens, 0, torch.arange(blocks, device=dev))])
-        return self.model.forward(token_ids.to(dev), positions, cache, meta, rows.to(dev))
+        return self._forward(token_ids.to(dev), positions, cache, meta, rows.to(dev))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
@@ -154,14 +159,31 @@ class ModelRunner:
         if self.peers is not None:
             self.peers.send(("step", out.block_copies, *inputs))
             with self.peers.watch():
-                return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+                return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices)
         return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
 
     @torch.inference_mode()
     def run_step(self, block_copies, input_ids, positions, meta, logits_indices) -> torch.Tensor:
-        """Another tensor-parallel rank's share of rank 0's step: the same block copies and inputs."""
+        """Another rank's (or pipeline stage's) share of rank 0's step: the same block copies and inputs."""
         self._copy_blocks(block_copies)
-        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+        return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    def _forward(self, input_ids, positions, kv_cache, meta, logits_indices) -> torch.Tensor:
+        """The model's forward; on a pipeline stage its part of it: the hidden states from the stage before
+        (none on the first), its layers, then on to the next stage, the last one's logits back to the first
+        (which returns them; the other stages return what they sent)."""
+        stage = self.stage
+        if stage is None:
+            return self.model.forward(input_ids, positions, kv_cache, meta, logits_indices)
+        hidden = None if stage.is_first else stage.recv(stage.rank - 1, self.model.dtype, self.device)
+        out = self.model.forward(input_ids, positions, kv_cache, meta, logits_indices, hidden)
+        if not stage.is_last:
+            stage.send(out, stage.rank + 1)
+        elif not stage.is_first:
+            stage.send(out, 0)
+        if stage.is_first and not stage.is_last:
+            return stage.recv(stage.size - 1, self.model.dtype, self.device)
+        return out
 
     def kv_shards(self) -> list[torch.Tensor]:
         """Every rank's KV cache, rank order (rank 0's is this runner's): what the worker's KV transfer

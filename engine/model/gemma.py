@@ -35,6 +35,7 @@ from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 from engine.model.rotary import RotaryEmbedding
 from engine.model.weights import CheckpointWeights
+from engine.parallel.pipeline import PipelineStage
 from engine.parallel.tp_group import TPGroup
 
 
@@ -92,20 +93,21 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 class Model(LlamaModel):
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[GemmaLayerWeights],
-                 final_norm: torch.Tensor, lm_head: Linear, attention: AttentionBackend,
-                 max_positions: int, tp: TPGroup | None = None) -> None:
-        super().__init__(config, embed, layers, 1.0 + final_norm.float(), lm_head, attention, max_positions, tp)
+    def __init__(self, config: ModelConfig, embed: torch.Tensor | None, layers: list[GemmaLayerWeights],
+                 final_norm: torch.Tensor | None, lm_head: Linear | None, attention: AttentionBackend,
+                 max_positions: int, tp: TPGroup | None = None, stage: PipelineStage | None = None) -> None:
+        final_norm = 1.0 + final_norm.float() if final_norm is not None else None
+        super().__init__(config, embed, layers, final_norm, lm_head, attention, max_positions, tp, stage)
         self.fused = None  # see the module docstring
         fields = config.family_fields
         self.final_softcap: float | None = fields["final_logit_softcapping"]
-        self.normalizer = torch.tensor(config.hidden_size ** 0.5).to(embed.dtype)
+        self.normalizer = torch.tensor(config.hidden_size ** 0.5).to(self.dtype)
         """sqrt(hidden_size) in the model dtype, the embedding's scale."""
         self.local_rotary = self.rotary
         """The sliding layers' RoPE: Gemma 3's own, Gemma 2's shared with the full layers."""
         if fields["local_rope_theta"] is not None:
             self.local_rotary = RotaryEmbedding(config.head_dim, max_positions, fields["local_rope_theta"],
-                                                fields["local_rope_scaling"], embed.dtype, embed.device)
+                                                fields["local_rope_scaling"], self.dtype, self.rotary.cos.device)
 
     def attention_of(self, i: int) -> LayerAttention:
         """Layer i's sliding window (where it slides) and Gemma 2's attention soft-cap."""
@@ -113,18 +115,21 @@ class Model(LlamaModel):
         return LayerAttention(window=window, softcap=self.config.family_fields["attn_logit_softcapping"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The logits (soft-capped where the config says so) of `logits_indices`, in the model dtype.
+                meta: AttentionMetadata, logits_indices: torch.Tensor, hidden: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """The logits (soft-capped where the config says so) of `logits_indices`, in the model dtype
+        (`hidden`, and what a pipeline stage before the last returns: LlamaModel.forward).
 
-        kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+        kv_cache: [num_blocks, len(layers), 2, block_size, num_kv_heads, head_dim].
         """
         cfg = self.config
         eps = cfg.rms_norm_eps
-        num_tokens = input_ids.shape[0]
-        x = self.embed_tokens(input_ids) * self.normalizer
+        x = self.embed_tokens(input_ids) * self.normalizer if hidden is None else hidden
+        num_tokens = x.shape[0]
         rope = self.rotary.lookup(positions)
         local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.lookup(positions)
-        for i, w in enumerate(self.layers):
+        for j, w in enumerate(self.layers):
+            i = self.first_layer + j
             h = gemma_rms_norm(x, w.input_norm, eps)
             qk, v = w.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(num_tokens, -1, cfg.head_dim)
@@ -134,13 +139,15 @@ class Model(LlamaModel):
             cos, sin = local_rope if cfg.is_sliding(i) else rope
             q, k = self.rotary.apply(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.kv_scales[i],
-                                          self.layer_attention[i])
+            attn = self.attention.forward(q, k, v, kv_cache[:, j, 0], kv_cache[:, j, 1], meta, self.kv_scales[i],
+                                          self.layer_attention[j])
             h = w.o_proj(attn.reshape(num_tokens, self.q_size))
             x = x + gemma_rms_norm(h, w.post_attention_norm, eps)
             gate, up = w.gate_up(gemma_rms_norm(x, w.pre_feedforward_norm, eps)).chunk(2, dim=-1)
             h = w.down(F.gelu(gate, approximate="tanh") * up)
             x = x + gemma_rms_norm(h, w.post_feedforward_norm, eps)
+        if self.lm_head is None:
+            return x
         logits = self.lm_head(gemma_rms_norm(x[logits_indices], self.final_norm, eps))
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

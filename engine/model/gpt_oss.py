@@ -55,4 +55,4 @@ class Model(MoeDecoder, LlamaModel):
 
     def attention_of(self, i: int) -> LayerAttention:
         """Layer i's window (on sliding layers) and its heads' sinks."""
-        return replace(super().attention_of(i), sinks=self.layers[i].sinks)
+        return replace(super().attention_of(i), sinks=self.layers[i - self.first_layer].sinks)

@@ -27,6 +27,7 @@ from engine.model.model_config import ModelConfig
 from engine.model.rotary import RotaryEmbedding
 from engine.model.weights import CheckpointWeights
 from engine.parallel.layers import vocab_parallel_embedding
+from engine.parallel.pipeline import PipelineStage
 from engine.parallel.sharding import vocab_range
 from engine.parallel.tp_group import TPGroup
 
@@ -67,40 +68,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: Linear, attention: AttentionBackend,
-                 max_positions: int, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor | None, layers: list[LayerWeights],
+                 final_norm: torch.Tensor | None, lm_head: Linear | None, attention: AttentionBackend,
+                 max_positions: int, tp: TPGroup | None = None, stage: PipelineStage | None = None) -> None:
         self.config = config
         """With tensor parallelism, this rank's shapes (its heads and MLP slice; see engine/parallel/)."""
         self.embed = embed
+        """None on a pipeline stage after the first."""
         self.layers = layers
+        """The layers this process runs: all of them, or a pipeline stage's range (from `first_layer` on)."""
         self.final_norm = final_norm
         self.lm_head = lm_head
+        """None (and `final_norm` too) on a pipeline stage before the last: `forward` returns hidden states."""
         self.attention = attention
         self.tp = tp
         """The tensor-parallel group (None: one rank). The row-parallel linears and the LM head are
         wrapped at load (engine/parallel/layers.py); the embedding is looked up in `embed_tokens`."""
+        self.first_layer = stage.start if stage is not None else 0
+        """Global index of `layers[0]` (engine/parallel/pipeline.py); the KV cache holds `layers`' only."""
         self.vocab_start = vocab_range(config.vocab_size, tp.rank, tp.world_size)[0] if tp is not None else 0
+        ref = layers[0].input_norm
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
-                                      config.rope_scaling, embed.dtype, embed.device)
+                                      config.rope_scaling, ref.dtype, ref.device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.fused: FusedOps | None = load_fused_ops(embed.device, embed.dtype)
+        self.fused: FusedOps | None = load_fused_ops(ref.device, ref.dtype)
         """The fused CPU kernels, or None (CUDA, other dtypes, PDSERVE_FUSED=0): the unfused torch ops."""
         self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * config.num_layers
-        """(k_scale, v_scale) per layer; read only with an fp8 KV cache (set by the model runner)."""
-        self.layer_attention: list[LayerAttention] = [self.attention_of(i) for i in range(config.num_layers)]
-        """Each layer's window, sinks and soft-cap, handed to the attention backend."""
+        """(k_scale, v_scale) per layer (global index); read only with an fp8 KV cache (set by the model runner)."""
+        self.layer_attention: list[LayerAttention] = [self.attention_of(self.first_layer + j)
+                                                      for j in range(len(layers))]
+        """Each of `layers`' window, sinks and soft-cap, handed to the attention backend."""
 
     def attention_of(self, i: int) -> LayerAttention:
-        """Layer i's attention options: its sliding window where config.layer_types makes it slide."""
+        """Layer i's (global index) attention options: its sliding window where config.layer_types makes it slide."""
         if self.config.is_sliding(i):
             return LayerAttention(window=self.config.sliding_window)
         return FULL_ATTENTION
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.layers[0].input_norm.dtype
 
     def norm_qk_(self, qk: torch.Tensor, layer: LayerWeights) -> None:
         """Prepare the q and k heads [T, Hq + Hkv, D] in place before RoPE: nothing for Llama."""
@@ -118,19 +126,23 @@ class LlamaModel:
         return vocab_parallel_embedding(input_ids, self.embed, self.vocab_start, self.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor, hidden: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Run packed tokens through the model; return the logits of `logits_indices` in the model's
         dtype (the sampler widens to float32 only the rows that need it).
 
-        kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+        kv_cache: [num_blocks, len(layers), 2, block_size, num_kv_heads, head_dim].
+        A pipeline stage after the first starts from `hidden` (the residual stream [tokens, hidden_size] the
+        stage before returned) instead of embedding `input_ids`; one before the last returns its own.
         """
-        if self.fused is not None and input_ids.device.type == "cpu":
-            return self._forward_fused(self.fused, input_ids, positions, kv_cache, meta, logits_indices)
+        if self.fused is not None and positions.device.type == "cpu":
+            return self._forward_fused(self.fused, input_ids, positions, kv_cache, meta, logits_indices, hidden)
         cfg = self.config
-        x = self.embed_tokens(input_ids)
-        num_tokens = input_ids.shape[0]
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
+        num_tokens = x.shape[0]
         cos, sin = self.rotary.lookup(positions)
-        for i, w in enumerate(self.layers):
+        for j, w in enumerate(self.layers):
+            i = self.first_layer + j
             h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
             qkv = w.qkv(h)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -139,33 +151,37 @@ class LlamaModel:
             qk = self.rotary.apply(qk, cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.attention.forward(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.kv_scales[i],
-                                          self.layer_attention[i])
+            attn = self.attention.forward(q, k, v, kv_cache[:, j, 0], kv_cache[:, j, 1], meta, self.kv_scales[i],
+                                          self.layer_attention[j])
             x = x + w.o_proj(attn.reshape(num_tokens, self.q_size))
             h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
             x = x + self.mlp(h, w, None)
+        if self.lm_head is None:
+            return x
         h = rms_norm(x[logits_indices], self.final_norm, cfg.rms_norm_eps)
         return self.lm_head(h)
 
     def _forward_fused(self, ops: FusedOps, input_ids: torch.Tensor, positions: torch.Tensor,
-                       kv_cache: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor,
+                       hidden: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` with the fused CPU kernels: the same ops, rounded at the same points."""
         cfg = self.config
         eps = cfg.rms_norm_eps
-        num_tokens = input_ids.shape[0]
+        num_tokens = positions.shape[0]
         if positions.dtype != torch.long:
             positions = positions.long()
         # The backend lets RoPE write K/V into the cache (no index_put per layer) when it reads slots that way;
         # an fp8 cache is written by the backend, which quantizes.
         write_kv = self.attention.accepts_written_kv and meta.slot_blocks is not None and kv_cache.dtype == self.dtype
         meta.kv_written = write_kv
-        residual = self.embed_tokens(input_ids)
+        residual = self.embed_tokens(input_ids) if hidden is None else hidden
         h = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        for i, w in enumerate(self.layers):
+        for j, w in enumerate(self.layers):
+            i = self.first_layer + j
             qkv = w.qkv(h)
             self.norm_qk_(qkv[:, :k_end].view(num_tokens, -1, cfg.head_dim), w)
-            k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
+            k_cache, v_cache = kv_cache[:, j, 0], kv_cache[:, j, 1]
             if write_kv:
                 ops.rope_(qkv, positions, self.rotary.cos, self.rotary.sin, cfg.num_heads, cfg.num_kv_heads,
                           k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
@@ -174,13 +190,15 @@ class LlamaModel:
             q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.kv_scales[i], self.layer_attention[i])
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.kv_scales[i], self.layer_attention[j])
             h = ops.add_rms_norm_(w.o_proj(attn.reshape(num_tokens, self.q_size)), residual, w.post_norm, eps)
             down = self.mlp(h, w, ops)
-            if i + 1 < len(self.layers):
-                h = ops.add_rms_norm_(down, residual, self.layers[i + 1].input_norm, eps)
+            if j + 1 < len(self.layers):
+                h = ops.add_rms_norm_(down, residual, self.layers[j + 1].input_norm, eps)
             else:
                 residual += down
+        if self.lm_head is None:
+            return residual
         h = ops.rms_norm(residual[logits_indices], self.final_norm, eps)
         return self.lm_head(h)
 

@@ -1,6 +1,7 @@
 """Load a Hugging Face safetensors checkpoint into the decoder of its family (engine/model/registry.py)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from engine.model.model_config import ModelConfig
 from engine.model.registry import family_module
 from engine.model.weights import CheckpointWeights
 from engine.parallel.layers import VocabParallelHead
+from engine.parallel.pipeline import PipelineStage
 from engine.parallel.sharding import shard_config, shard_vocab
 from engine.parallel.tp_group import TPGroup
 
@@ -30,7 +32,11 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
     return _DTYPES[name]
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def read_tensors(path: Path, layers: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors; with `layers` ([start, end): a pipeline stage's), no other layer's is read."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -38,7 +44,9 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+                layer = _LAYER_NAME.match(name) if layers is not None else None
+                if layer is None or layers[0] <= int(layer.group(1)) < layers[1]:
+                    tensors[name] = f.get_tensor(name)
     return tensors
 
 
@@ -56,31 +64,40 @@ def resolve_quantization(requested: str | None, config: ModelConfig) -> str | No
 
 def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                attention_backend: str, max_positions: int, quantization: str | None = None,
-               tp: TPGroup | None = None) -> LlamaModel:
+               tp: TPGroup | None = None, stage: PipelineStage | None = None) -> LlamaModel:
     """The decoder of `config.architecture`'s family (engine/model/registry.py) on `device` in `dtype`;
     with `quantization` (see `resolve_quantization`) the linears of each layer run on quantized weights
     (the embedding and LM head stay in `dtype`). With `tp`, only this rank's shard of each weight
     (engine/parallel/sharding.py), sliced before it is moved, cast or quantized; the model then computes
-    with this rank's heads. A layer tensor the family did not take is an error (it would be ignored)."""
+    with this rank's heads. With `stage` (pipeline parallelism), only that stage's layers, the embedding on
+    the first stage and the final norm and LM head on the last (engine/parallel/pipeline.py).
+    A layer tensor the family did not take is an error (it would be ignored)."""
     family = family_module(config.architecture)
-    weights = CheckpointWeights(read_tensors(path), str(path), dtype, device,
-                                resolve_quantization(quantization, config), config.quantization, tp)
-    layers = [family.load_layer(weights, i, config) for i in range(config.num_layers)]
+    first, end = (stage.start, stage.end) if stage is not None else (0, config.num_layers)
+    weights = CheckpointWeights(read_tensors(path, (first, end) if stage is not None else None), str(path), dtype,
+                                device, resolve_quantization(quantization, config), config.quantization, tp)
+    layers = [family.load_layer(weights, i, config) for i in range(first, end)]
     tied = config.tie_word_embeddings or "lm_head.weight" not in weights
     embed = weights.pop("model.embed_tokens.weight")
     lm_head = embed if tied else weights.pop("lm_head.weight")
+    if stage is not None:  # what this stage does not run is dropped before it is moved or cast
+        embed = embed if stage.is_first else None
+        lm_head = lm_head if stage.is_last else None
     if tp is not None:
         embed = shard_vocab(embed, tp.rank, tp.world_size)
         lm_head = embed if tied else shard_vocab(lm_head, tp.rank, tp.world_size)
-    embed = embed.to(device=device, dtype=dtype).contiguous()
-    lm_head = embed if tied else lm_head.to(device=device, dtype=dtype).contiguous()
-    head = Linear(lm_head) if tp is None else VocabParallelHead(Linear(lm_head), tp, config.vocab_size)
-    final_norm = weights.take("model.norm.weight")
+    embed = embed.to(device=device, dtype=dtype).contiguous() if embed is not None else None
+    if lm_head is not None:
+        lm_head = embed if tied and embed is not None else lm_head.to(device=device, dtype=dtype).contiguous()
+    head = None
+    if lm_head is not None:
+        head = Linear(lm_head) if tp is None else VocabParallelHead(Linear(lm_head), tp, config.vocab_size)
+    final_norm = weights.take("model.norm.weight") if head is not None else None
     _check_all_taken(weights, config)
     local = config if tp is None else shard_config(config, tp.world_size, tp.expert_parallel)
     scale = family.attention_scale(config) if hasattr(family, "attention_scale") else None  # Gemma's own
     attention = make_backend(attention_backend, local.num_heads, local.num_kv_heads, local.head_dim, scale)
-    model = family.Model(local, embed, layers, final_norm, head, attention, max_positions, tp)
+    model = family.Model(local, embed, layers, final_norm, head, attention, max_positions, tp, stage)
     attention.check_layers(model.layer_attention, attention_backend)  # e.g. sinks on a backend without them
     return model
 

@@ -124,4 +124,5 @@ class MoeDecoder:
 
     def expert_token_counts(self) -> dict[int, torch.Tensor]:
         """{layer index: [E] int64 tokens routed to each expert} over every step since load, sparse layers only."""
-        return {i: layer.moe.counts.clone() for i, layer in enumerate(self.layers) if layer.moe is not None}
+        return {self.first_layer + j: layer.moe.counts.clone() for j, layer in enumerate(self.layers)
+                if layer.moe is not None}

@@ -1,4 +1,4 @@
-"""The rank processes of a tensor-parallel engine.
+"""The rank processes of a tensor-parallel (or pipeline-parallel) engine.
 
 Lifecycle. The engine process is rank 0: its `TPExecutor` hosts the rendezvous store, spawns ranks
 1..N-1 (`run_rank`, torch.multiprocessing's spawn context, daemon processes) and joins the group.
@@ -44,6 +44,7 @@ from engine.model.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import shared_kv
 from engine.parallel.expert_parallel import check_expert_parallel
+from engine.parallel.pipeline import PipelineStage, stage_layers
 from engine.parallel.sharding import check_tp_size
 from engine.parallel.tp_group import TPGroup, host_store
 
@@ -77,7 +78,11 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
         group = TPGroup.connect(rank, world_size, init_method, device,
                                 expert_parallel=config.enable_expert_parallel)
         model_config = ModelConfig.from_dir(config.model)
-        runner = ModelRunner(config, config.model, model_config, config.max_model_len, tp=group)
+        if config.pipeline_parallel_size > 1:
+            runner = ModelRunner(config, config.model, model_config, config.max_model_len,
+                                 stage=pipeline_stage(config, model_config, rank, group))
+        else:
+            runner = ModelRunner(config, config.model, model_config, config.max_model_len, tp=group)
         conn.send_bytes(pickle.dumps(("ready", runner.num_blocks, runner.kv_export)))
         while True:
             try:
@@ -102,15 +107,23 @@ def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
                  max_model_len: int) -> tuple[ModelRunner, TPExecutor | None]:
     """The engine's ModelRunner and, with tensor_parallel_size > 1, the executor of the other ranks
     (started here; rank 0's runner is built beside them). Returns (runner, executor or None)."""
-    if config.tensor_parallel_size == 1:  # (EngineConfig refuses enable_expert_parallel here)
+    pipelined = config.pipeline_parallel_size > 1
+    if config.tensor_parallel_size == 1 and not pipelined:  # (EngineConfig refuses enable_expert_parallel here)
         return ModelRunner(config, model_path, model_config, max_model_len), None
-    check_tp_size(config.tensor_parallel_size, model_config, config.enable_expert_parallel)
+    if pipelined:
+        stage_layers(model_config.num_layers, config.pipeline_parallel_size, config.pp_layer_partition)  # checked
+    else:
+        check_tp_size(config.tensor_parallel_size, model_config, config.enable_expert_parallel)
     if config.enable_expert_parallel:
         check_expert_parallel(config.tensor_parallel_size, model_config)
     config = replace(config, model=str(model_path), max_model_len=max_model_len)
     executor = TPExecutor(config)
     try:
-        runner = ModelRunner(config, model_path, model_config, max_model_len, tp=executor.group)
+        if pipelined:
+            runner = ModelRunner(config, model_path, model_config, max_model_len,
+                                 stage=pipeline_stage(config, model_config, 0, executor.group))
+        else:
+            runner = ModelRunner(config, model_path, model_config, max_model_len, tp=executor.group)
         executor.wait_ready(runner.num_blocks)
     except BaseException:
         executor.shutdown()
@@ -119,12 +132,22 @@ def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
     return runner, executor
 
 
+def pipeline_stage(config: EngineConfig, model_config: ModelConfig, rank: int, group: TPGroup) -> PipelineStage:
+    """Rank `rank`'s stage of a pipeline-parallel engine: its layer range, linked to the others by `group`."""
+    ranges = stage_layers(model_config.num_layers, config.pipeline_parallel_size, config.pp_layer_partition)
+    return PipelineStage(rank, config.pipeline_parallel_size, *ranges[rank], group)
+
+
 class TPExecutor:
-    """Rank 0's side: starts the other ranks, mirrors each forward to them, and stops them."""
+    """Rank 0's side: starts the other ranks, mirrors each forward to them, and stops them. The ranks are a
+    tensor-parallel engine's, or a pipeline-parallel engine's stages (engine/parallel/pipeline.py: the same
+    processes and pipes; each stage runs its part of the forward, passing hidden states on)."""
 
     def __init__(self, config: EngineConfig) -> None:
         """`config`: the engine's, with `model` a resolved directory and `max_model_len` set."""
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.kind = "pipeline stage" if config.pipeline_parallel_size > 1 else "tensor-parallel rank"
+        """What the other processes are, in errors."""
         self.kv_shards: list[torch.Tensor] = []
         """The KV caches of ranks 1..N-1, mapped here (engine/parallel/shared_kv.py)."""
         self._kv_mappings: list = []
@@ -161,12 +184,12 @@ class TPExecutor:
             while not conn.poll(0.1):
                 self.check_alive()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"tensor-parallel rank {rank} not ready after {timeout_s:.0f} s")
+                    raise TimeoutError(f"{self.kind} {rank} not ready after {timeout_s:.0f} s")
             kind, value, *kv_handle = pickle.loads(conn.recv_bytes())
             if kind == "error":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
+                raise RuntimeError(f"{self.kind} {rank} failed:\n{value}")
             if value != num_blocks:
-                raise RuntimeError(f"tensor-parallel rank {rank} has {value} KV blocks, rank 0 {num_blocks}")
+                raise RuntimeError(f"{self.kind} {rank} has {value} KV blocks, rank 0 {num_blocks}")
             kv_cache, mapping = shared_kv.open_handle(kv_handle[0])
             self.kv_shards.append(kv_cache)
             self._kv_mappings.append(mapping)
@@ -179,7 +202,7 @@ class TPExecutor:
             try:
                 conn.send_bytes(data)
             except OSError as exc:
-                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({exc})") from exc
+                raise RuntimeError(f"{self.kind} {rank} is gone ({exc})") from exc
 
     @contextlib.contextmanager
     def watch(self):
@@ -205,7 +228,7 @@ class TPExecutor:
                 if conn.poll():
                     kind, value = pickle.loads(conn.recv_bytes())
                     detail = f":\n{value}" if kind == "error" else ""
-            raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}){detail}")
+            raise RuntimeError(f"{self.kind} {rank} exited (exit code {proc.exitcode}){detail}")
 
     def shutdown(self) -> None:
         """Stop the other ranks (waiting for them) and release the group."""

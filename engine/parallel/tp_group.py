@@ -7,6 +7,7 @@ TCPStore that rank 0 hosts, not the global default group: several engines may li
   all_reduce(x)        x = the sum of every rank's x, in place (row-parallel linears, embedding)
   all_gather(x, dim)   the ranks' x concatenated along `dim` in rank order (vocab-parallel LM head)
   min(n)               the smallest of the ranks' integers (KV blocks every rank can hold)
+  send(x, dst), recv(x, src)   point to point (a pipeline's stages, pipeline.py, use the same group type)
 
 `expert_parallel`: the MoE layers split whole experts over this group's ranks (expert_parallel.py)
 instead of a slice of every expert; attention and the dense layers stay tensor-parallel either way.
@@ -72,6 +73,15 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self.backend.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point to point: `x` (contiguous) to rank `dst` (pipeline stages, engine/parallel/pipeline.py)."""
+        self.backend.send([x], dst, 0).wait()
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Point to point: fill `x` with what rank `src` sends; returns x."""
+        self.backend.recv([x], src, 0).wait()
+        return x
 
     def min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)

@@ -22,6 +22,7 @@ from engine.model.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from tests.conftest import DROP, assert_equal, hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint, with_config
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
+from tests.engine.test_pipeline_parallel import generate as pp_generate
 from tests.engine.test_tensor_parallel import generate
 
 CHUNK = 32
@@ -107,6 +108,15 @@ def test_tiny_gemma_two_ranks_equal_transformers(gemma_dirs, prompts, expected, 
     assert (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim) == (3, 1, 16)
     if family == "gemma3":
         assert model.layers[0].q_norm.shape == (16,)  # replicated, not sharded
+    assert_equal([c[0] for c in got], expected[family])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_tiny_gemma_two_pipeline_stages_equal_transformers(gemma_dirs, prompts, expected, family):
+    """Each stage's windows, soft-caps and RoPE are those of its own layers (global indices)."""
+    engine, got = pp_generate(gemma_dirs[family], prompts, 2, GREEDY, partition=(1, 3),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK))
+    assert len(engine.runner.model.layers) == 1
     assert_equal([c[0] for c in got], expected[family])
 
 

@@ -19,6 +19,7 @@ from engine.model.model_config import ModelConfig
 from engine.parallel.sharding import check_tp_size
 from tests.conftest import assert_equal, hf_greedy, perturb_norms_and_biases, save_tiny_checkpoint
 from tests.engine.test_hf_equivalence import GREEDY, NEW_TOKENS, assert_no_leak, run
+from tests.engine.test_pipeline_parallel import generate as pp_generate
 from tests.engine.test_tensor_parallel import generate
 
 CHUNK = 32
@@ -117,6 +118,15 @@ def test_tiny_moe_two_ranks_equal_transformers(moe_case):
     gate_up, down = sparse.weights.linears[0]  # CPU: each expert's prepacked linears (moe.pack_experts)
     assert len(sparse.weights.linears) == 8
     assert (gate_up.out_features, gate_up.in_features, down.out_features, down.in_features) == (40, 72, 72, 20)
+    assert_equal([c[0] for c in got], expected)
+
+
+def test_tiny_moe_two_pipeline_stages_equal_transformers(moe_case):
+    """Each stage routes its own sparse layers; the expert counts keep their global layer indices."""
+    family, path, prompts, expected = moe_case
+    engine, got = pp_generate(path, prompts, 2, GREEDY, scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK))
+    first = engine.runner.model
+    assert sorted(first.expert_token_counts()) == [i for i in SPARSE_LAYERS[family] if i < len(first.layers)]
     assert_equal([c[0] for c in got], expected)
 
 

@@ -1,0 +1,86 @@
+"""Pipeline parallelism: each stage process holds a contiguous range of the decoder's layers.
+
+As vLLM splits a model over `--pipeline-parallel-size` K stages: stage 0 holds the embedding, stage K-1
+the final norm and the LM head, and every stage the layers of its range (`stage_layers`: an even split,
+the remainder one layer each to the first stages, or the user's `pp_layer_partition`) and the KV cache of
+those layers only, for the same block ids (one block table, kept by the scheduler on stage 0).
+
+One step, for every stage at once: stage 0 hands the step's inputs to every stage (the executor's pipes,
+as for tensor parallelism); then stage s runs its layers on the hidden states stage s-1 sent it (stage 0
+on the embedded tokens) and sends the residual stream [tokens, hidden] to stage s+1; the last stage sends
+the logits of the sampled rows back to stage 0, which samples. The tensors go point to point over the
+group (`PipelineStage.send` / `recv`: gloo on CPU, NCCL on CUDA).
+
+Pure functions and a thin wrapper over the group: no processes are started here (executor.py does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.parallel.tp_group import TPGroup
+
+
+def stage_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """The [start, end) layer range of each of `pp_size` stages: `partition` (layers per stage) when given,
+    else an even split with the remainder going one layer each to the first stages (the last stage also
+    runs the LM head). Raises ValueError when a stage would get no layer or the counts do not add up."""
+    if pp_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp_size}")
+    if partition is None:
+        if pp_size > num_layers:
+            raise ValueError(f"pipeline_parallel_size {pp_size} is more than the model's {num_layers} layers")
+        base, extra = divmod(num_layers, pp_size)
+        partition = tuple(base + (1 if s < extra else 0) for s in range(pp_size))
+    if len(partition) != pp_size or any(n < 1 for n in partition) or sum(partition) != num_layers:
+        raise ValueError(f"pp_layer_partition {list(partition)} must give each of the {pp_size} stages at least "
+                         f"one layer and add up to the model's {num_layers} layers")
+    ranges, start = [], 0
+    for n in partition:
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+@dataclass
+class PipelineStage:
+    """One stage's place in the pipeline, and the point-to-point links to its neighbours."""
+
+    rank: int
+    size: int
+    start: int
+    """First layer (global index) this stage holds."""
+    end: int
+    """One past its last layer."""
+    group: TPGroup | None = None
+    """The stages' group (None: a single stage)."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """`x` (2-D) to stage `dst`: its shape first (two int64s), then its elements (none when empty: a step
+        that samples nothing has no logits)."""
+        x = x.contiguous()
+        self.group.send(torch.tensor(x.shape, dtype=torch.int64, device=x.device), dst)
+        if x.numel():
+            self.group.send(x, dst)
+
+    def recv(self, src: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The next tensor stage `src` sends (a 2-D tensor of `dtype`)."""
+        shape = torch.empty(2, dtype=torch.int64, device=device)
+        self.group.recv(shape, src)
+        x = torch.empty(tuple(shape.tolist()), dtype=dtype, device=device)
+        if x.numel():
+            self.group.recv(x, src)
+        return x

@@ -1,0 +1,142 @@
+"""Pipeline parallelism (engine/parallel/pipeline.py): the layer split, then whole engines against one stage.
+
+The engine tests start real stage processes (gloo on CPU: the hidden states and logits go point to point)
+and compare tokens with a one-process engine (float32), greedy and seeded: plain requests, chunked prefill,
+preemption, n=3 (copy-on-write of a shared block, which every stage applies to its own layers' KV), two
+and three stages on a 4-layer Qwen2 (untied head), three stages with an uneven split on SmolLM2 (tied
+embeddings: the last stage holds its own copy as the LM head).
+"""
+import argparse
+import random
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.parallel.pipeline import stage_layers
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7)
+
+
+def test_stage_layers_split_evenly_with_the_remainder_first_or_as_given():
+    assert stage_layers(30, 1) == [(0, 30)]
+    assert stage_layers(30, 2) == [(0, 15), (15, 30)]
+    assert stage_layers(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert stage_layers(30, 3, (9, 11, 10)) == [(0, 9), (9, 20), (20, 30)]
+    for bad in [(9, 11), (10, 10, 11), (0, 15, 15)]:
+        with pytest.raises(ValueError, match="pp_layer_partition"):
+            stage_layers(30, 3, bad)
+    with pytest.raises(ValueError, match="more than the model's 2 layers"):
+        stage_layers(2, 3)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_4l_dir(tmp_path_factory, tokenizer_dir):
+    """A 4-layer Qwen2 (q/k/v bias, GQA, untied head) with large random weights."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.conftest import save_tiny_checkpoint
+    config = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.15,
+                         rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(4321)
+    return save_tiny_checkpoint(Qwen2ForCausalLM(config), tmp_path_factory.mktemp("tiny-qwen2-4l"), tokenizer_dir)
+
+
+def tiny_prompts():
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 120))] for _ in range(7)]
+    return prompts + [prompts[0][:40] + [9] * 30, [7]]
+
+
+def generate(model_dir, prompts, pp, params, partition=None, **overrides):
+    """Every completion's tokens (n of them per prompt), from an engine with `pp` stages."""
+    config = EngineConfig(model=str(model_dir), dtype="float32", pipeline_parallel_size=pp,
+                          pp_layer_partition=partition, scheduler=overrides.pop("scheduler", SchedulerConfig()),
+                          cache=overrides.pop("cache", CacheConfig(num_blocks=512)))
+    engine = LLMEngine(config)
+    try:
+        tokens = [[c.token_ids for c in o.completions] for o in engine.generate(prompts, params)]
+        assert not engine.has_unfinished() and engine.kv.pool.num_used_blocks == 0
+        return engine, tokens
+    finally:
+        engine.shutdown()
+
+
+VARIANTS = {
+    "plain": {"cache": CacheConfig(num_blocks=512, enable_prefix_caching=False)},
+    "chunked": {"scheduler": SchedulerConfig(max_num_batched_tokens=32)},  # prompts span several steps
+    "preempt": {"cache": CacheConfig(num_blocks=14, enable_prefix_caching=False)},  # 224 tokens for 9 requests
+}
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_stages_equal_one_process_on_a_tiny_qwen2(tiny_qwen2_4l_dir, variant, pp):
+    prompts = tiny_prompts()
+    # Two prompts fork into 3 samples after their prompt (copy-on-write of the shared partial block); two are
+    # sampled with a seed, the rest greedy.
+    forks = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
+    params = [GREEDY] * (len(prompts) - 4) + [SEEDED] * 2 + [forks] * 2
+    one, expected = generate(tiny_qwen2_4l_dir, prompts, 1, params, **dict(VARIANTS[variant]))
+    staged, got = generate(tiny_qwen2_4l_dir, prompts, pp, params, **dict(VARIANTS[variant]))
+    assert [len(c) for c in got] == [1] * (len(prompts) - 2) + [3, 3]
+    first = staged.runner.model
+    assert len(first.layers) == 4 // pp + (1 if pp == 3 else 0) and staged.runner.kv_cache.shape[1] == len(first.layers)
+    assert first.embed is not None and first.lm_head is None  # the LM head lives on the last stage
+    if variant == "preempt":
+        assert staged.scheduler.num_preemptions > 0 and one.scheduler.num_preemptions > 0
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"prompt {i} differs"
+
+
+def test_three_uneven_stages_equal_one_process_on_smollm2(smollm2_dir):
+    from engine.tokenizer import Tokenizer
+    tokenizer = Tokenizer(smollm2_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name three colours.")]
+    prompts.append(tokenizer.encode("The history of computing spans centuries, from the abacus to"))
+    params = [GREEDY, SEEDED, GREEDY]
+    _, expected = generate(smollm2_dir, prompts, 1, params)
+    staged, got = generate(smollm2_dir, prompts, 3, params, partition=(9, 11, 10))
+    assert len(staged.runner.model.layers) == 9
+    assert got == expected
+
+
+def test_a_dead_stage_is_an_error_not_a_hang(tiny_qwen2_4l_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen2_4l_dir), dtype="float32", pipeline_parallel_size=2,
+                                    cache=CacheConfig(num_blocks=64)))
+    try:
+        assert engine.generate([[5, 6, 7]], GREEDY)[0].completions[0].token_ids
+        engine.executor.procs[0].kill()
+        engine.executor.procs[0].join()
+        with pytest.raises(RuntimeError, match="pipeline stage 1 exited"):
+            engine.generate([[5, 6, 7, 8] * 10], GREEDY)
+    finally:
+        engine.shutdown()
+
+
+def test_what_is_not_supported_yet_is_refused():
+    from worker_runtime.config import WorkerConfig
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
+        EngineConfig(pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="one layer count per pipeline stage"):
+        EngineConfig(pipeline_parallel_size=2, pp_layer_partition=(30,))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported yet"):
+        EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="in a worker is not supported yet"):
+        WorkerConfig(role="prefill", engine=EngineConfig(pipeline_parallel_size=2))
+
+
+def test_cli_flags_reach_the_engine_config():
+    from pdserve.cli import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--pipeline-parallel-size", "2", "--pp-layer-partition",
+                                                        "1, 3"]))
+    assert (config.pipeline_parallel_size, config.pp_layer_partition) == (2, (1, 3))
+    assert engine_config_from_args(parser.parse_args([])).pipeline_parallel_size == 1
