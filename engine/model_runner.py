@@ -186,9 +186,14 @@ class ModelRunner:
         return out
 
     def kv_shards(self) -> list[torch.Tensor]:
-        """Every rank's KV cache, rank order (rank 0's is this runner's): what the worker's KV transfer
-        moves, kv_transfer.ShardedKV when there is more than one. One rank: [kv_cache]."""
+        """Every rank's (or pipeline stage's) KV cache, rank order (rank 0's is this runner's): what the
+        worker's KV transfer moves, kv_transfer.ShardedKV when there is more than one. One rank: [kv_cache]."""
         return [self.kv_cache] + (self.peers.kv_shards if self.peers is not None else [])
+
+    @property
+    def kv_shard_axis(self) -> str:
+        """What `kv_shards` split: "heads" (tensor parallelism) or "layers" (pipeline stages)."""
+        return "layers" if self.stage is not None else "heads"
 
     def _copy_blocks(self, block_copies) -> None:
         for src, dst in block_copies:

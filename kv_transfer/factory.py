@@ -54,13 +54,14 @@ def select_backend(requested: str, device: str, nixl_problem: str | None,
 
     ``nixl_problem`` is None when a NIXL side was built (and passed its self-test,
     if asked), else why not; it is ignored when ``requested == "tcp"``. ``sharded``: a
-    tensor-parallel worker's pool (:mod:`~kv_transfer.sharded`), which only TCP moves. Raises
+    tensor-parallel or pipeline-parallel worker's pool (:mod:`~kv_transfer.sharded`), which only TCP moves. Raises
     :class:`BackendUnavailableError` only when NIXL was requested and cannot run.
     """
     staged = staging == "always" or device != "cpu" or sharded
     how = ""
     if sharded:
-        how = "; each block's KV heads are gathered from (scattered to) the tensor-parallel ranks in staging buffers"
+        how = ("; each block's KV is gathered from (scattered to) the tensor-parallel ranks or pipeline stages in "
+               "staging buffers")
     elif device != "cpu":
         how = f"; {device.upper()} KV moves through pinned host staging buffers"
     elif staged:
@@ -95,7 +96,8 @@ def _make(role: str, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) 
     device = region.device
     side, problem, reason = None, None, ""
     if region.sharded:
-        problem = (f"nixl not used: a tensor-parallel pool ({kv_cache.num_shards} ranks' KV heads) is no single "
+        kind = "tensor-parallel" if kv_cache.axis == "heads" else "pipeline-parallel"
+        problem = (f"nixl not used: a {kind} pool ({kv_cache.num_shards} ranks' KV {kv_cache.axis}) is no single "
                    "memory region to register")
     elif config.backend != "tcp":
         side, problem, reason = _try_nixl(role, kv_cache, layout, region, config)

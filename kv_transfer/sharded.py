@@ -1,4 +1,5 @@
-"""The KV pool of a tensor-parallel worker: every block's heads split across ranks.
+"""The KV pool of a tensor-parallel worker (every block's heads split across ranks), or of a
+pipeline-parallel one (every block's layers split across stages: ``axis="layers"``, the same way).
 
 Rank r of a worker with N ranks holds KV heads ``[r*h, (r+1)*h)`` (``h = H / N``) of every block in
 its own tensor ``[num_blocks, num_layers, 2, block_size, h, head_dim]``; rank 0 (the worker process,
@@ -28,26 +29,39 @@ from .memory import KVRegion
 
 class ShardedKV:
     """N rank tensors of one pool, seen as whole blocks (``shape``, ``dtype`` and ``device`` as a tensor's,
-    so :meth:`KVLayout.of_kv_cache` reads the whole-block layout off it)."""
+    so :meth:`KVLayout.of_kv_cache` reads the whole-block layout off it). ``axis`` says what the ranks split:
+    ``"heads"`` (tensor parallelism: equal head ranges) or ``"layers"`` (pipeline parallelism: each stage's
+    contiguous layer range, in order; the ranges may differ in size)."""
 
-    def __init__(self, shards: Sequence[Any]) -> None:
+    AXES = {"heads": 4, "layers": 1}
+
+    def __init__(self, shards: Sequence[Any], axis: str = "heads") -> None:
         shards = list(shards)
         if not shards:
             raise ValueError("a sharded KV pool needs at least one shard")
+        if axis not in self.AXES:
+            raise ValueError(f"axis must be one of {sorted(self.AXES)}, got {axis!r}")
+        dim = self.AXES[axis]
         first = shards[0]
         for r, s in enumerate(shards):
             if s.dim() != 6 or s.shape[2] != 2:
                 raise ValueError(f"shard {r}: shape {tuple(s.shape)} is not [num_blocks, num_layers, 2, "
                                  "block_size, heads, head_dim]")
-            if s.shape != first.shape or s.dtype != first.dtype or s.device.type != first.device.type:
+            same = [d for i, d in enumerate(s.shape) if i != dim or axis == "heads"]
+            if same != [d for i, d in enumerate(first.shape) if i != dim or axis == "heads"] \
+                    or s.dtype != first.dtype or s.device.type != first.device.type:
                 raise ValueError(f"shard {r} ({tuple(s.shape)}, {s.dtype}, {s.device}) differs from shard 0 "
                                  f"({tuple(first.shape)}, {first.dtype}, {first.device})")
             if not s.is_contiguous():
                 raise ValueError(f"shard {r} is not contiguous")
         self.shards = shards
-        self.heads_per_shard = int(first.shape[4])
-        nb, layers, _, block_size, h, head_dim = (int(d) for d in first.shape)
-        self.shape = (nb, layers, 2, block_size, h * len(shards), head_dim)
+        self.axis = axis
+        self._bounds = [0]
+        for s in shards:
+            self._bounds.append(self._bounds[-1] + int(s.shape[dim]))
+        shape = [int(d) for d in first.shape]
+        shape[dim] = self._bounds[-1]
+        self.shape = tuple(shape)
         self.dtype = first.dtype
         self.device = first.device
 
@@ -56,8 +70,14 @@ class ShardedKV:
         return len(self.shards)
 
     def head_range(self, rank: int) -> tuple[int, int]:
-        """The KV heads ``[lo, hi)`` rank ``rank`` holds."""
-        return rank * self.heads_per_shard, (rank + 1) * self.heads_per_shard
+        """The KV heads ``[lo, hi)`` rank ``rank`` holds (``axis`` "heads"); see `index`."""
+        return self._bounds[rank], self._bounds[rank + 1]
+
+    def index(self, rank: int) -> tuple:
+        """Rank ``rank``'s part of whole blocks ``[count, num_layers, 2, block_size, heads, head_dim]``, as an
+        index: its head range (``axis`` "heads") or its layer range (``axis`` "layers")."""
+        part = slice(self._bounds[rank], self._bounds[rank + 1])
+        return (..., part, slice(None)) if self.axis == "heads" else (slice(None), part)
 
 
 def region_of(pool: Any, layout: KVLayout) -> KVRegion:
@@ -115,12 +135,12 @@ class ShardedCopier(StreamCopier):
                 if self.pin and not to_host:
                     whole.copy_(host, non_blocking=True)
                 for r, shard in enumerate(pool.shards):
-                    lo, hi = pool.head_range(r)
+                    mine = pool.index(r)
                     part = shard[block:block + count]
                     if to_host:
-                        whole[..., lo:hi, :].copy_(part, non_blocking=self.pin)
+                        whole[mine].copy_(part, non_blocking=self.pin)
                     else:
-                        part.copy_(whole[..., lo:hi, :], non_blocking=self.pin)
+                        part.copy_(whole[mine], non_blocking=self.pin)
                 if self.pin and to_host:
                     host.copy_(whole, non_blocking=True)
             if self.stream is None:

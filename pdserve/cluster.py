@@ -77,7 +77,7 @@ class RayCluster:
 
         cfg = self.config
         num_workers = cfg.num_prefill + cfg.num_decode
-        num_ranks = sum(cfg.most_workers(role) * cfg.tensor_parallel_size(role) for role in ("prefill", "decode"))
+        num_ranks = sum(cfg.most_workers(role) * cfg.ranks(role) for role in ("prefill", "decode"))
         handlers = {sig: handler for sig in STOP_SIGNALS if (handler := signal.getsignal(sig)) is not None}
         if not ray.is_initialized():
             if cfg.ray_address:  # "auto": the cluster `ray start` runs on this machine
@@ -119,11 +119,11 @@ class RayCluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         template, use_gpu = self._template, self.use_gpu
-        tp = self.config.tensor_parallel_size(role)
         engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device,
-                                     tensor_parallel_size=tp)
+                                     tensor_parallel_size=self.config.tensor_parallel_size(role),
+                                     pipeline_parallel_size=self.config.pipeline_parallel_size(role))
         worker = dataclasses.replace(template, role=role, num_threads=self._threads, engine=engine)
-        options = actor_options(role, use_gpu, self._resources, tp)
+        options = actor_options(role, use_gpu, self._resources, self.config.ranks(role))
         with_metrics = self.config.router.metrics_port is not None
         if slot is None:  # this machine: ports free here, kept across actor restarts
             host = template.host

@@ -36,6 +36,13 @@ class ClusterConfig:
     decode_tensor_parallel_size: int | None = dataclasses.field(default=None, metadata={
         "help": "ranks of each decode worker (default: --tensor-parallel-size)"})
     """Ranks of each decode worker (None: the worker template's); may differ from prefill's."""
+    prefill_pipeline_parallel_size: int | None = dataclasses.field(default=None, metadata={
+        "help": "pipeline stages of each prefill worker (default: --pipeline-parallel-size); its KV moves to "
+                "decode workers of any shape"})
+    """Pipeline stages of each prefill worker (None: the worker template's --pipeline-parallel-size)."""
+    decode_pipeline_parallel_size: int | None = dataclasses.field(default=None, metadata={
+        "help": "pipeline stages of each decode worker (default: --pipeline-parallel-size)"})
+    """Pipeline stages of each decode worker (None: the worker template's); may differ from prefill's."""
     follow_ray_nodes: bool = dataclasses.field(default=False, metadata={
         "help": "with --ray-address: run a worker per unit of pdserve_<role> each node declares, as nodes join "
                 "and leave (a RayCluster resized by `pdserve planner`)"})
@@ -59,11 +66,22 @@ class ClusterConfig:
         size = getattr(self, f"{role}_tensor_parallel_size")
         return self.worker.engine.tensor_parallel_size if size is None else size
 
+    def pipeline_parallel_size(self, role: str) -> int:
+        size = getattr(self, f"{role}_pipeline_parallel_size")
+        return self.worker.engine.pipeline_parallel_size if size is None else size
+
+    def ranks(self, role: str) -> int:
+        """Processes (devices on CUDA) of one worker of `role`: its tensor-parallel ranks times its stages."""
+        return self.tensor_parallel_size(role) * self.pipeline_parallel_size(role)
+
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
-            size = getattr(self, f"{role}_tensor_parallel_size")
-            if size is not None and size < 1:
-                raise ValueError(f"--{role}-tensor-parallel-size must be >= 1, got {size}")
+            for kind in ("tensor", "pipeline"):
+                size = getattr(self, f"{role}_{kind}_parallel_size")
+                if size is not None and size < 1:
+                    raise ValueError(f"--{role}-{kind}-parallel-size must be >= 1, got {size}")
+            if self.tensor_parallel_size(role) > 1 and self.pipeline_parallel_size(role) > 1:
+                raise ValueError(f"{role} workers: tensor and pipeline parallelism together are not supported yet")
         if self.internal_tls and self.ray_address is not None:
             raise ValueError("--internal-tls makes certificates on this machine only; with --ray-address give "
                              "--internal-tls-cert/--internal-tls-key/--internal-tls-ca files present on every node")

@@ -12,15 +12,14 @@ import socket
 from pdserve.cluster_supervisor import eligible_nodes
 
 
-def actor_options(role: str, use_gpu: bool, cluster_resources: dict, tensor_parallel_size: int = 1) -> dict:
-    """Ray placement of one worker actor: a GPU per tensor-parallel rank when workers run on CUDA (a
-    CPU per rank otherwise), all on the actor's node, whose process starts the other ranks (the
-    one-node STRICT_PACK of vLLM's executor: the ranks' KV caches are mapped by the worker process, and
-    Ray hands the actor that many GPUs of one node), and the custom resource `pdserve_<role>` when the
-    cluster declares it (the Helm chart's KubeRay worker groups do), so prefill actors land on prefill
-    pods and decode actors on decode pods."""
-    tp = tensor_parallel_size
-    options = {"num_cpus": 1 if use_gpu else tp, "num_gpus": tp if use_gpu else 0}
+def actor_options(role: str, use_gpu: bool, cluster_resources: dict, ranks: int = 1) -> dict:
+    """Ray placement of one worker actor: a GPU per rank (tensor-parallel rank or pipeline stage) when
+    workers run on CUDA (a CPU per rank otherwise), all on the actor's node, whose process starts the other
+    ranks (the one-node STRICT_PACK of vLLM's executor: the ranks' KV caches are mapped by the worker
+    process, and Ray hands the actor that many GPUs of one node), and the custom resource `pdserve_<role>`
+    when the cluster declares it (the Helm chart's KubeRay worker groups do), so prefill actors land on
+    prefill pods and decode actors on decode pods."""
+    options = {"num_cpus": 1 if use_gpu else ranks, "num_gpus": ranks if use_gpu else 0}
     if f"pdserve_{role}" in cluster_resources:
         options["resources"] = {f"pdserve_{role}": 1}
     return options

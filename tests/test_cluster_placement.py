@@ -21,8 +21,8 @@ def test_roles_follow_the_worker_groups_that_declare_them():
 
 
 def test_a_tensor_parallel_worker_asks_for_a_device_per_rank_on_one_node():
-    assert actor_options("decode", True, {"GPU": 8.0}, tensor_parallel_size=4) == {"num_cpus": 1, "num_gpus": 4}
-    assert actor_options("prefill", False, {"CPU": 8.0}, tensor_parallel_size=2) == {"num_cpus": 2, "num_gpus": 0}
+    assert actor_options("decode", True, {"GPU": 8.0}, ranks=4) == {"num_cpus": 1, "num_gpus": 4}
+    assert actor_options("prefill", False, {"CPU": 8.0}, ranks=2) == {"num_cpus": 2, "num_gpus": 0}
 
 
 def test_serve_sizes_prefill_and_decode_ranks_separately():
@@ -35,6 +35,13 @@ def test_serve_sizes_prefill_and_decode_ranks_separately():
     assert (config.tensor_parallel_size("prefill"), config.tensor_parallel_size("decode")) == (2, 4)
     with pytest.raises(ValueError, match="--prefill-tensor-parallel-size must be >= 1"):
         ClusterConfig(router=RouterConfig(), worker=worker, prefill_tensor_parallel_size=0)
+    # pipeline stages likewise, and a worker's Ray resources count its ranks times its stages
+    config = ClusterConfig(router=RouterConfig(), worker=WorkerConfig(role="decode"), prefill_pipeline_parallel_size=3)
+    assert (config.pipeline_parallel_size("prefill"), config.ranks("prefill"), config.ranks("decode")) == (3, 3, 1)
+    with pytest.raises(ValueError, match="--decode-pipeline-parallel-size must be >= 1"):
+        ClusterConfig(router=RouterConfig(), worker=worker, decode_pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="decode workers: tensor and pipeline parallelism together"):
+        ClusterConfig(router=RouterConfig(), worker=worker, decode_pipeline_parallel_size=2)
 
 
 def test_serve_flags_of_the_planner_and_node_following_are_checked():

@@ -92,9 +92,6 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.pull_timeout_s >= self.lease_s:
             raise ValueError("pull_timeout_s must be shorter than lease_s")
-        if self.engine.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 in a worker is not supported yet (its KV transfer by "
-                             "layer range is still to come); the offline engine runs it")
         if self.max_num_requests < 1:
             raise ValueError("max_num_requests must be >= 1")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

@@ -1,8 +1,9 @@
-"""Prefill and decode workers of different tensor-parallel sizes behind one router (`pdserve
-prefill-worker --tensor-parallel-size 2` ...): P TP=2 -> D TP=1 and P TP=1 -> D TP=2 on the tiny fixture
-(4 heads, 2 KV heads). Every sample is prefilled remotely, its KV crosses between the sizes (each head
-from the rank that holds it to the rank that owns it), and the greedy tokens equal one engine's; the
-workers end with no KV block, request or lease held."""
+"""Prefill and decode workers of different tensor- and pipeline-parallel shapes behind one router (`pdserve
+prefill-worker --tensor-parallel-size 2` ...): P TP=2 -> D TP=1, P TP=1 -> D TP=2, P PP=2 -> D PP=1,
+P PP=1 -> D PP=2 and P TP=2 -> D PP=2 on the tiny fixture (4 heads, 2 KV heads, 2 layers). Every sample is
+prefilled remotely, its KV crosses between the shapes (each head and layer from the rank or stage that holds
+it to the one that owns it), and the greedy tokens equal one engine's; the workers end with no KV block,
+request or lease held."""
 import pytest
 
 from engine.config import CacheConfig, EngineConfig
@@ -23,13 +24,17 @@ def expected(tiny_qwen2_dir):
     return [o.completions[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_outputs_equal_across_tensor_parallel_sizes(tiny_qwen2_dir, expected, prefill_tp, decode_tp):
+TP2, PP2, ONE = ("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2"), ()
+
+
+@pytest.mark.parametrize("prefill_shape,decode_shape", [(TP2, ONE), (ONE, TP2), (PP2, ONE), (ONE, PP2), (TP2, PP2)],
+                         ids=["tp2-tp1", "tp1-tp2", "pp2-pp1", "pp1-pp2", "tp2-pp2"])
+def test_outputs_equal_across_parallel_shapes(tiny_qwen2_dir, expected, prefill_shape, decode_shape):
     model = ["--model", str(tiny_qwen2_dir)]
     started = []
     try:
-        started.append(start_worker("prefill", *model, "--tensor-parallel-size", str(prefill_tp)))
-        started.append(start_worker("decode", *model, "--tensor-parallel-size", str(decode_tp)))
+        started.append(start_worker("prefill", *model, *prefill_shape))
+        started.append(start_worker("decode", *model, *decode_shape))
         router = start_router(started[:1], started[1:], *model)
         started.append(router)
         for prompt, want in zip(PROMPTS, expected, strict=True):

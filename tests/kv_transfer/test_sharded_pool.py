@@ -1,9 +1,12 @@
-"""A tensor-parallel worker's KV pool (kv_transfer/sharded.py) between peers of any TP size.
+"""A tensor-parallel worker's KV pool (kv_transfer/sharded.py) between peers of any TP size, and a
+pipeline-parallel one (shards by layer range) between peers of any PP size and split.
 
 The sender's pool is p shards of 6/p KV heads, the receiver's d shards of 6/d; the pull goes over the real
 TCP sides (staged: the sender gathers each block's heads from its shards, the receiver scatters them into
 its own), through the socket or through shared staging buffers, and the receiver's blocks must equal the
-sender's head for head while the blocks it did not pull stay untouched.
+sender's head for head while the blocks it did not pull stay untouched. The same for layer shards, sender
+and receiver split differently (and one of them not at all), and for a layer-split sender to a head-split
+receiver: on the wire a block is the whole block either way.
 """
 import pytest
 import torch
@@ -65,6 +68,43 @@ def test_pull_between_tensor_parallel_sizes(p, d, shared_staging):
     assert torch.equal(got[local], src_whole[remote])
     untouched = [b for b in range(BLOCKS) if b not in local]
     assert not got[untouched].any()
+
+
+LAYERS = 5
+
+
+def layer_pool(split: tuple[int, ...], seed: int | None) -> ShardedKV | torch.Tensor:
+    """A pool of LAYERS layers split into stages of `split` layers (one stage: a plain tensor)."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    shards = [torch.randn((BLOCKS, n, 2, 4, HEADS, 8), generator=gen).to(torch.bfloat16) if seed is not None
+              else torch.zeros((BLOCKS, n, 2, 4, HEADS, 8), dtype=torch.bfloat16) for n in split]
+    return ShardedKV(shards, axis="layers") if len(split) > 1 else shards[0]
+
+
+def whole_of(p) -> torch.Tensor:
+    if not isinstance(p, ShardedKV):
+        return p
+    return torch.cat(p.shards, dim=1 if p.axis == "layers" else 4)
+
+
+@pytest.mark.parametrize("src_split,dst", [((2, 3), (5,)), ((5,), (1, 4)), ((2, 3), (3, 1, 1)), ((1, 4), "heads")])
+def test_pull_between_pipeline_splits(src_split, dst):
+    src = layer_pool(src_split, seed=3)
+    dst_pool = layer_pool(dst, seed=None) if dst != "heads" else \
+        ShardedKV([torch.zeros((BLOCKS, LAYERS, 2, 4, HEADS // 2, 8), dtype=torch.bfloat16) for _ in range(2)])
+    layout = KVLayout.of_kv_cache(src, "m")
+    assert layout == KVLayout.of_kv_cache(whole_of(src), "m") == KVLayout.of_kv_cache(dst_pool, "m")
+    config = KVTransferConfig(backend="auto", host="127.0.0.1", staging_chunk_bytes=2 * layout.block_nbytes)
+    remote, local = [7, 2, 3, 11], [0, 5, 6, 1]
+    with make_sender(src, layout, config) as sender, make_receiver(dst_pool, layout, config) as receiver:
+        lease = sender.expect("r", remote, timeout_s=30)
+        pull = receiver.read(sender.peer_info(), "r", remote, local, timeout_s=30, capability=lease.capability)
+        assert pull.wait(30) == TransferState.DONE, pull.error
+    got = whole_of(dst_pool)
+    assert torch.equal(got[local], whole_of(src)[remote])
+    assert not got[[b for b in range(BLOCKS) if b not in local]].any()
+    with pytest.raises(ValueError, match="differs from shard 0"):  # stages differ only in their layer count
+        ShardedKV([torch.zeros(2, 1, 2, 4, 2, 8), torch.zeros(2, 2, 2, 4, 3, 8)], axis="layers")
 
 
 def test_sharded_pool_refuses_nixl_by_name():
