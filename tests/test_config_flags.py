@@ -33,7 +33,7 @@ COMMANDS = {"generate": ENGINE_FLAGS, "prefill-worker": WORKER_FLAGS, "router": 
             "planner": PLANNER_FLAGS}
 REQUIRED = {"generate": ["--offline", "--input", "in", "--output", "out"], "planner": ["--router-metrics", "http://r"]}
 CUSTOM = {"--kv-tier-weights": ("cpu=0.6", {"cpu": 0.6}), "--prefill-workers": ("a:1, b:2", ["a:1", "b:2"]),
-          "--decode-workers": ("c:3", ["c:3"])}
+          "--decode-workers": ("c:3", ["c:3"]), "--pp-layer-partition": ("10, 20", (10, 20))}
 """Sample text and the value it parses into, for each flag with its own `type`."""
 
 

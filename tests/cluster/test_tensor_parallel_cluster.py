@@ -10,7 +10,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from loadtest.chaos.processes import stop_all
-from tests.cluster.harness import assert_no_leaks, generate_routed, start_router, start_worker, worker_stats
+from tests.cluster.harness import assert_no_leaks, generate_routed, start_cluster, worker_stats
 
 PROMPTS = [[1 + (13 * i) % 3000 for i in range(70)], list(range(200, 240)), [5, 6, 7] * 15]
 MAX_TOKENS = 8
@@ -30,13 +30,10 @@ TP2, PP2, ONE = ("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2
 @pytest.mark.parametrize("prefill_shape,decode_shape", [(TP2, ONE), (ONE, TP2), (PP2, ONE), (ONE, PP2), (TP2, PP2)],
                          ids=["tp2-tp1", "tp1-tp2", "pp2-pp1", "pp1-pp2", "tp2-pp2"])
 def test_outputs_equal_across_parallel_shapes(tiny_qwen2_dir, expected, prefill_shape, decode_shape):
-    model = ["--model", str(tiny_qwen2_dir)]
-    started = []
+    model = ("--model", str(tiny_qwen2_dir))
+    started = start_cluster([["prefill", *prefill_shape], ["decode", *decode_shape]], *model, router_flags=model)
+    router = started[-1]
     try:
-        started.append(start_worker("prefill", *model, *prefill_shape))
-        started.append(start_worker("decode", *model, *decode_shape))
-        router = start_router(started[:1], started[1:], *model)
-        started.append(router)
         for prompt, want in zip(PROMPTS, expected, strict=True):
             got = generate_routed(router, prompt, max_tokens=MAX_TOKENS)
             assert got["prefill"] == started[0].address  # prefilled remotely: the KV crossed TP sizes
