@@ -169,8 +169,8 @@ class EngineConfig:
         "help": "processes (GPUs on CUDA) that each hold a contiguous range of the layers (pipeline stages); "
                 "hidden states pass stage to stage"})
     """Pipeline stages (processes; GPUs on CUDA), each holding a contiguous range of the layers and their KV
-    (engine/parallel/pipeline.py): the embedding on the first, the LM head on the last. Not combined with
-    tensor parallelism, KV tiers or a worker's KV transfer yet: the offline engine only."""
+    (engine/parallel/pipeline.py): the embedding on the first, the LM head on the last. With
+    tensor_parallel_size N too, each stage is N ranks (K x N processes). Not with KV tiers yet."""
     pp_layer_partition: tuple[int, ...] | None = field(default=None, metadata={
         "type": layer_counts, "metavar": "N,N,...",
         "help": "layers per pipeline stage, first to last (default: an even split, the remainder to the first)"})
@@ -199,8 +199,6 @@ class EngineConfig:
         if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
             raise ValueError(f"pp_layer_partition needs one layer count per pipeline stage "
                              f"({self.pipeline_parallel_size}), got {list(self.pp_layer_partition)}")
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
         if self.pipeline_parallel_size > 1 and self.cache.offload.enabled:
             raise ValueError("KV offload tiers with pipeline_parallel_size > 1 are not supported yet")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):

@@ -52,13 +52,13 @@ class ModelRunner:
         num_layers = len(self.model.layers)  # a pipeline stage's KV holds its own layers only
         block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_dtype, num_layers)
         self.num_blocks = config.cache.num_blocks or max(1, self._kv_cache_bytes(model_config) // block_bytes)
-        group = tp if tp is not None else (stage.group if stage is not None else None)
-        if group is not None:
+        groups = [g for g in (tp, stage.group if stage is not None else None) if g is not None]
+        for group in groups:  # every rank of its stage, then every stage: the smallest of all
             self.num_blocks = group.min(self.num_blocks)
         kv_shape = (self.num_blocks, num_layers, 2, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_export = None
-        """Ranks (stages) 1..N-1 of a parallel engine: the handle rank 0 maps this rank's KV cache with."""
-        if group is not None and group.rank > 0:
+        """Ranks (and stages) 1.. of a parallel engine: the handle rank 0 maps this rank's KV cache with."""
+        if any(g.rank > 0 for g in groups):
             self.kv_cache, self._kv_memory = shared_kv.allocate(kv_shape, self.kv_dtype, self.device)
             self.kv_export = shared_kv.export(self.kv_cache, self._kv_memory)
         else:
@@ -68,7 +68,7 @@ class ModelRunner:
         self.graphs = None
         self.num_graph_steps = 0
         """Steps replayed from a captured decode graph (the rest ran eagerly)."""
-        if self.device.type == "cuda" and config.cuda_graphs and self.varlen is not None and group is None:
+        if self.device.type == "cuda" and config.cuda_graphs and self.varlen is not None and not groups:
             from engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs,
                                        -(-max_model_len // self.block_size))
@@ -191,9 +191,10 @@ class ModelRunner:
         return [self.kv_cache] + (self.peers.kv_shards if self.peers is not None else [])
 
     @property
-    def kv_shard_axis(self) -> str:
-        """What `kv_shards` split: "heads" (tensor parallelism) or "layers" (pipeline stages)."""
-        return "layers" if self.stage is not None else "heads"
+    def kv_stages(self) -> int:
+        """Pipeline stages `kv_shards` spans (each a layer range; within a stage, its tensor-parallel ranks'
+        head ranges, in rank order)."""
+        return self.stage.size if self.stage is not None else 1
 
     def _copy_blocks(self, block_copies) -> None:
         for src, dst in block_copies:

@@ -96,9 +96,8 @@ def _make(role: str, kv_cache: Any, layout: KVLayout, config: KVTransferConfig) 
     device = region.device
     side, problem, reason = None, None, ""
     if region.sharded:
-        kind = "tensor-parallel" if kv_cache.axis == "heads" else "pipeline-parallel"
-        problem = (f"nixl not used: a {kind} pool ({kv_cache.num_shards} ranks' KV {kv_cache.axis}) is no single "
-                   "memory region to register")
+        problem = (f"nixl not used: a {kv_cache.kind} pool ({kv_cache.num_shards} ranks' KV) is no single memory "
+                   "region to register")
     elif config.backend != "tcp":
         side, problem, reason = _try_nixl(role, kv_cache, layout, region, config)
     selection = select_backend(config.backend, device, problem, reason, config.staging, region.sharded)

@@ -1,5 +1,5 @@
-"""The KV pool of a tensor-parallel worker (every block's heads split across ranks), or of a
-pipeline-parallel one (every block's layers split across stages: ``axis="layers"``, the same way).
+"""The KV pool of a tensor-parallel worker (every block's heads split across ranks), of a
+pipeline-parallel one (every block's layers split across stages), or both (``stages`` rows of ranks).
 
 Rank r of a worker with N ranks holds KV heads ``[r*h, (r+1)*h)`` (``h = H / N``) of every block in
 its own tensor ``[num_blocks, num_layers, 2, block_size, h, head_dim]``; rank 0 (the worker process,
@@ -29,39 +29,37 @@ from .memory import KVRegion
 
 class ShardedKV:
     """N rank tensors of one pool, seen as whole blocks (``shape``, ``dtype`` and ``device`` as a tensor's,
-    so :meth:`KVLayout.of_kv_cache` reads the whole-block layout off it). ``axis`` says what the ranks split:
-    ``"heads"`` (tensor parallelism: equal head ranges) or ``"layers"`` (pipeline parallelism: each stage's
-    contiguous layer range, in order; the ranges may differ in size)."""
+    so :meth:`KVLayout.of_kv_cache` reads the whole-block layout off it). With ``stages`` > 1 (pipeline
+    parallelism) the shards are ``stages`` rows, in order, of N / stages tensor-parallel ranks each: stage s
+    holds a contiguous layer range (the ranges may differ in size), each of its ranks an equal head range."""
 
-    AXES = {"heads": 4, "layers": 1}
-
-    def __init__(self, shards: Sequence[Any], axis: str = "heads") -> None:
+    def __init__(self, shards: Sequence[Any], stages: int = 1) -> None:
         shards = list(shards)
         if not shards:
             raise ValueError("a sharded KV pool needs at least one shard")
-        if axis not in self.AXES:
-            raise ValueError(f"axis must be one of {sorted(self.AXES)}, got {axis!r}")
-        dim = self.AXES[axis]
+        if stages < 1 or len(shards) % stages:
+            raise ValueError(f"{len(shards)} shards do not make {stages} pipeline stages of equal rank counts")
         first = shards[0]
         for r, s in enumerate(shards):
             if s.dim() != 6 or s.shape[2] != 2:
                 raise ValueError(f"shard {r}: shape {tuple(s.shape)} is not [num_blocks, num_layers, 2, "
                                  "block_size, heads, head_dim]")
-            same = [d for i, d in enumerate(s.shape) if i != dim or axis == "heads"]
-            if same != [d for i, d in enumerate(first.shape) if i != dim or axis == "heads"] \
+            row = shards[r - r % (len(shards) // stages)]  # its stage's first rank: the same layers
+            if (s.shape[0], *s.shape[2:]) != (first.shape[0], *first.shape[2:]) or s.shape[1] != row.shape[1] \
                     or s.dtype != first.dtype or s.device.type != first.device.type:
                 raise ValueError(f"shard {r} ({tuple(s.shape)}, {s.dtype}, {s.device}) differs from shard 0 "
                                  f"({tuple(first.shape)}, {first.dtype}, {first.device})")
             if not s.is_contiguous():
                 raise ValueError(f"shard {r} is not contiguous")
         self.shards = shards
-        self.axis = axis
-        self._bounds = [0]
-        for s in shards:
-            self._bounds.append(self._bounds[-1] + int(s.shape[dim]))
-        shape = [int(d) for d in first.shape]
-        shape[dim] = self._bounds[-1]
-        self.shape = tuple(shape)
+        self.stages = stages
+        self.ranks_per_stage = len(shards) // stages
+        self.heads_per_shard = int(first.shape[4])
+        self._layer_bounds = [0]
+        for stage in range(stages):
+            self._layer_bounds.append(self._layer_bounds[-1] + int(shards[stage * self.ranks_per_stage].shape[1]))
+        nb, _, _, block_size, h, head_dim = (int(d) for d in first.shape)
+        self.shape = (nb, self._layer_bounds[-1], 2, block_size, h * self.ranks_per_stage, head_dim)
         self.dtype = first.dtype
         self.device = first.device
 
@@ -69,15 +67,25 @@ class ShardedKV:
     def num_shards(self) -> int:
         return len(self.shards)
 
+    @property
+    def kind(self) -> str:
+        """What splits the pool, in words."""
+        tp = "tensor-parallel" if self.ranks_per_stage > 1 else ""
+        return " and ".join(x for x in (tp, "pipeline-parallel" if self.stages > 1 else "") if x)
+
     def head_range(self, rank: int) -> tuple[int, int]:
-        """The KV heads ``[lo, hi)`` rank ``rank`` holds (``axis`` "heads"); see `index`."""
-        return self._bounds[rank], self._bounds[rank + 1]
+        """The KV heads ``[lo, hi)`` rank ``rank`` holds."""
+        t = rank % self.ranks_per_stage
+        return t * self.heads_per_shard, (t + 1) * self.heads_per_shard
+
+    def layer_range(self, rank: int) -> tuple[int, int]:
+        """The layers ``[lo, hi)`` rank ``rank``'s stage holds."""
+        s = rank // self.ranks_per_stage
+        return self._layer_bounds[s], self._layer_bounds[s + 1]
 
     def index(self, rank: int) -> tuple:
-        """Rank ``rank``'s part of whole blocks ``[count, num_layers, 2, block_size, heads, head_dim]``, as an
-        index: its head range (``axis`` "heads") or its layer range (``axis`` "layers")."""
-        part = slice(self._bounds[rank], self._bounds[rank + 1])
-        return (..., part, slice(None)) if self.axis == "heads" else (slice(None), part)
+        """Rank ``rank``'s part of whole blocks ``[count, num_layers, 2, block_size, heads, head_dim]``."""
+        return (slice(None), slice(*self.layer_range(rank)), slice(None), slice(None), slice(*self.head_range(rank)))
 
 
 def region_of(pool: Any, layout: KVLayout) -> KVRegion:

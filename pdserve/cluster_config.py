@@ -80,8 +80,6 @@ class ClusterConfig:
                 size = getattr(self, f"{role}_{kind}_parallel_size")
                 if size is not None and size < 1:
                     raise ValueError(f"--{role}-{kind}-parallel-size must be >= 1, got {size}")
-            if self.tensor_parallel_size(role) > 1 and self.pipeline_parallel_size(role) > 1:
-                raise ValueError(f"{role} workers: tensor and pipeline parallelism together are not supported yet")
         if self.internal_tls and self.ray_address is not None:
             raise ValueError("--internal-tls makes certificates on this machine only; with --ray-address give "
                              "--internal-tls-cert/--internal-tls-key/--internal-tls-ca files present on every node")

@@ -40,8 +40,8 @@ def test_serve_sizes_prefill_and_decode_ranks_separately():
     assert (config.pipeline_parallel_size("prefill"), config.ranks("prefill"), config.ranks("decode")) == (3, 3, 1)
     with pytest.raises(ValueError, match="--decode-pipeline-parallel-size must be >= 1"):
         ClusterConfig(router=RouterConfig(), worker=worker, decode_pipeline_parallel_size=0)
-    with pytest.raises(ValueError, match="decode workers: tensor and pipeline parallelism together"):
-        ClusterConfig(router=RouterConfig(), worker=worker, decode_pipeline_parallel_size=2)
+    config = ClusterConfig(router=RouterConfig(), worker=worker, decode_pipeline_parallel_size=2)
+    assert config.ranks("decode") == 4  # 2 stages of 2 tensor-parallel ranks
 
 
 def test_serve_flags_of_the_planner_and_node_following_are_checked():

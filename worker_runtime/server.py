@@ -67,7 +67,7 @@ class WorkerServer:
         aio = asyncio.get_running_loop()
         self.engine = await aio.run_in_executor(None, LLMEngine, self.role.engine_config(config.engine))
         shards = self.engine.runner.kv_shards()  # one per tensor-parallel rank or pipeline stage
-        kv_cache = shards[0] if len(shards) == 1 else ShardedKV(shards, self.engine.runner.kv_shard_axis)
+        kv_cache = shards[0] if len(shards) == 1 else ShardedKV(shards, self.engine.runner.kv_stages)
         layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name, self.engine.runner.kv_scales)
         keys = config.auth.load()  # read here, in the worker's process: never carried in its arguments
         warn_if_exposed(f"{config.role} worker gRPC", config.host, keys)

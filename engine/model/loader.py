@@ -84,8 +84,9 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
         embed = embed if stage.is_first else None
         lm_head = lm_head if stage.is_last else None
     if tp is not None:
-        embed = shard_vocab(embed, tp.rank, tp.world_size)
-        lm_head = embed if tied else shard_vocab(lm_head, tp.rank, tp.world_size)
+        embed = shard_vocab(embed, tp.rank, tp.world_size) if embed is not None else None
+        if lm_head is not None:
+            lm_head = embed if tied and embed is not None else shard_vocab(lm_head, tp.rank, tp.world_size)
     embed = embed.to(device=device, dtype=dtype).contiguous() if embed is not None else None
     if lm_head is not None:
         lm_head = embed if tied and embed is not None else lm_head.to(device=device, dtype=dtype).contiguous()

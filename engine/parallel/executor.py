@@ -75,14 +75,9 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
         device = torch.device(config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group = TPGroup.connect(rank, world_size, init_method, device,
-                                expert_parallel=config.enable_expert_parallel)
+        tp, pp = connect_groups(rank, config, init_method, device)
         model_config = ModelConfig.from_dir(config.model)
-        if config.pipeline_parallel_size > 1:
-            runner = ModelRunner(config, config.model, model_config, config.max_model_len,
-                                 stage=pipeline_stage(config, model_config, rank, group))
-        else:
-            runner = ModelRunner(config, config.model, model_config, config.max_model_len, tp=group)
+        runner = make_runner(config, config.model, model_config, config.max_model_len, tp, pp)
         conn.send_bytes(pickle.dumps(("ready", runner.num_blocks, runner.kv_export)))
         while True:
             try:
@@ -96,7 +91,9 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
                 runner.run_step(*args)
             elif kind == "prompt":
                 runner.forward_prompt(*args)
-        group.close()
+        for group in (tp, pp):
+            if group is not None:
+                group.close()
     except BaseException:
         with contextlib.suppress(Exception):
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
@@ -105,25 +102,18 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
 
 def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
                  max_model_len: int) -> tuple[ModelRunner, TPExecutor | None]:
-    """The engine's ModelRunner and, with tensor_parallel_size > 1, the executor of the other ranks
-    (started here; rank 0's runner is built beside them). Returns (runner, executor or None)."""
-    pipelined = config.pipeline_parallel_size > 1
-    if config.tensor_parallel_size == 1 and not pipelined:  # (EngineConfig refuses enable_expert_parallel here)
-        return ModelRunner(config, model_path, model_config, max_model_len), None
-    if pipelined:
-        stage_layers(model_config.num_layers, config.pipeline_parallel_size, config.pp_layer_partition)  # checked
-    else:
-        check_tp_size(config.tensor_parallel_size, model_config, config.enable_expert_parallel)
+    """The engine's ModelRunner and, with tensor_parallel_size or pipeline_parallel_size > 1, the executor of
+    the other ranks (started here; rank 0's runner is built beside them). Returns (runner, executor or None)."""
+    if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
+        return ModelRunner(config, model_path, model_config, max_model_len), None  # (and no expert parallel)
+    stage_layers(model_config.num_layers, config.pipeline_parallel_size, config.pp_layer_partition)  # checked
+    check_tp_size(config.tensor_parallel_size, model_config, config.enable_expert_parallel)
     if config.enable_expert_parallel:
         check_expert_parallel(config.tensor_parallel_size, model_config)
     config = replace(config, model=str(model_path), max_model_len=max_model_len)
     executor = TPExecutor(config)
     try:
-        if pipelined:
-            runner = ModelRunner(config, model_path, model_config, max_model_len,
-                                 stage=pipeline_stage(config, model_config, 0, executor.group))
-        else:
-            runner = ModelRunner(config, model_path, model_config, max_model_len, tp=executor.group)
+        runner = make_runner(config, model_path, model_config, max_model_len, executor.group, executor.stage_group)
         executor.wait_ready(runner.num_blocks)
     except BaseException:
         executor.shutdown()
@@ -132,10 +122,30 @@ def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
     return runner, executor
 
 
-def pipeline_stage(config: EngineConfig, model_config: ModelConfig, rank: int, group: TPGroup) -> PipelineStage:
-    """Rank `rank`'s stage of a pipeline-parallel engine: its layer range, linked to the others by `group`."""
-    ranges = stage_layers(model_config.num_layers, config.pipeline_parallel_size, config.pp_layer_partition)
-    return PipelineStage(rank, config.pipeline_parallel_size, *ranges[rank], group)
+def connect_groups(rank: int, config: EngineConfig, init_method: str, device: torch.device,
+                   store=None) -> tuple[TPGroup | None, TPGroup | None]:
+    """Process `rank`'s groups, (tensor-parallel, pipeline): with K stages of N ranks, rank s*N + t is rank t of
+    stage s's tensor-parallel group `tp<s>` and stage s of the pipeline `pp<t>` (the ranks of one tensor-parallel
+    position, one per stage, pass hidden states to each other). None where that size is 1."""
+    n, k = config.tensor_parallel_size, config.pipeline_parallel_size
+    stage, position = divmod(rank, n)
+    tp = pp = None
+    if n > 1:
+        tp = TPGroup.connect(position, n, init_method, device, store=store,
+                             expert_parallel=config.enable_expert_parallel, name=f"tp{stage}")
+    if k > 1:  # every stage's tensor-parallel groups exist before any pipeline group is made: no rank waits on
+        pp = TPGroup.connect(stage, k, init_method, device, store=store, name=f"pp{position}")  # one that waits
+    return tp, pp
+
+
+def make_runner(config: EngineConfig, model_path, model_config: ModelConfig, max_model_len: int,
+                tp: TPGroup | None, pp: TPGroup | None) -> ModelRunner:
+    """A process's ModelRunner: its shard of its stage's layers (with `connect_groups`' groups)."""
+    stage = None
+    if pp is not None:
+        ranges = stage_layers(model_config.num_layers, config.pipeline_parallel_size, config.pp_layer_partition)
+        stage = PipelineStage(pp.rank, pp.world_size, *ranges[pp.rank], pp)
+    return ModelRunner(config, model_path, model_config, max_model_len, tp=tp, stage=stage)
 
 
 class TPExecutor:
@@ -146,7 +156,7 @@ class TPExecutor:
     def __init__(self, config: EngineConfig) -> None:
         """`config`: the engine's, with `model` a resolved directory and `max_model_len` set."""
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
-        self.kind = "pipeline stage" if config.pipeline_parallel_size > 1 else "tensor-parallel rank"
+        self.kind = "pipeline stage" if config.tensor_parallel_size == 1 else "tensor-parallel rank"
         """What the other processes are, in errors."""
         self.kv_shards: list[torch.Tensor] = []
         """The KV caches of ranks 1..N-1, mapped here (engine/parallel/shared_kv.py)."""
@@ -171,8 +181,8 @@ class TPExecutor:
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
         try:
-            self.group = TPGroup.connect(0, self.world_size, init_method, device, store=store,
-                                         expert_parallel=config.enable_expert_parallel)
+            self.group, self.stage_group = connect_groups(0, config, init_method, device, store)
+            """This rank's tensor-parallel group and pipeline group (None where that size is 1)."""
         except BaseException:
             self.shutdown()
             raise
@@ -233,10 +243,11 @@ class TPExecutor:
     def shutdown(self) -> None:
         """Stop the other ranks (waiting for them) and release the group."""
         self._finalizer()
-        group = getattr(self, "group", None)
-        if group is not None:
-            group.close()
-            self.group = None
+        for name in ("group", "stage_group"):
+            group = getattr(self, name, None)
+            if group is not None:
+                group.close()
+                setattr(self, name, None)
         torch.set_num_threads(self._threads)
 
 

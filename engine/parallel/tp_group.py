@@ -45,9 +45,10 @@ class TPGroup:
     @classmethod
     def connect(cls, rank: int, world_size: int, init_method: str, device: torch.device,
                 store: dist.TCPStore | None = None, timeout_s: float = TIMEOUT_S,
-                expert_parallel: bool = False) -> TPGroup:
-        """Join the group at `init_method` (tcp://host:port of rank 0's store; rank 0 passes its store).
-        Blocks until every rank has joined, or raises after `timeout_s`."""
+                expert_parallel: bool = False, name: str = "tp") -> TPGroup:
+        """Join the group `name` at `init_method` (tcp://host:port of rank 0's store; rank 0 passes its store;
+        several groups share one store under their own names). Blocks until every rank has joined, or raises
+        after `timeout_s`."""
         timeout = timedelta(seconds=timeout_s)
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         if store is None:
@@ -55,12 +56,12 @@ class TPGroup:
         if device.type == "cuda":  # unrun here (no GPU on the development machine)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            backend = dist.ProcessGroupNCCL(dist.PrefixStore("tp", store), rank, world_size, options)
+            backend = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, world_size, options)
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            backend = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, world_size, options)
+            backend = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world_size, options)
         return cls(rank, world_size, device, backend, store, expert_parallel)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 The engine tests start real stage processes (gloo on CPU: the hidden states and logits go point to point)
 and compare tokens with a one-process engine (float32), greedy and seeded: plain requests, chunked prefill,
 preemption, n=3 (copy-on-write of a shared block, which every stage applies to its own layers' KV), two
-and three stages on a 4-layer Qwen2 (untied head), three stages with an uneven split on SmolLM2 (tied
-embeddings: the last stage holds its own copy as the LM head).
+and three stages on a 4-layer Qwen2 (untied head), two stages of two tensor-parallel ranks each, three
+stages with an uneven split on SmolLM2 (tied embeddings: the last stage holds its own copy as the LM head).
 """
 import argparse
 import random
@@ -12,6 +12,7 @@ import random
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_offload.config import OffloadConfig
 from engine.llm_engine import LLMEngine
 from engine.parallel.pipeline import stage_layers
 from engine.sampling_params import SamplingParams
@@ -53,9 +54,9 @@ def tiny_prompts():
     return prompts + [prompts[0][:40] + [9] * 30, [7]]
 
 
-def generate(model_dir, prompts, pp, params, partition=None, **overrides):
-    """Every completion's tokens (n of them per prompt), from an engine with `pp` stages."""
-    config = EngineConfig(model=str(model_dir), dtype="float32", pipeline_parallel_size=pp,
+def generate(model_dir, prompts, pp, params, partition=None, tp=1, **overrides):
+    """Every completion's tokens (n of them per prompt), from an engine with `pp` stages (of `tp` ranks)."""
+    config = EngineConfig(model=str(model_dir), dtype="float32", pipeline_parallel_size=pp, tensor_parallel_size=tp,
                           pp_layer_partition=partition, scheduler=overrides.pop("scheduler", SchedulerConfig()),
                           cache=overrides.pop("cache", CacheConfig(num_blocks=512)))
     engine = LLMEngine(config)
@@ -73,20 +74,21 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("pp", [2, 3])
-@pytest.mark.parametrize("variant", ["chunked", "preempt"])  # plain steps are part of both
-def test_stages_equal_one_process_on_a_tiny_qwen2(tiny_qwen2_4l_dir, variant, pp):
+@pytest.mark.parametrize("variant,pp,tp", [("chunked", 2, 1), ("preempt", 2, 1), ("chunked", 3, 1),
+                                           ("preempt", 3, 1), ("chunked", 2, 2)])  # plain steps are in both
+def test_stages_equal_one_process_on_a_tiny_qwen2(tiny_qwen2_4l_dir, variant, pp, tp):
     prompts = tiny_prompts()
     # Two prompts fork into 3 samples after their prompt (copy-on-write of the shared partial block); two are
     # sampled with a seed, the rest greedy.
     forks = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
     params = [GREEDY] * (len(prompts) - 4) + [SEEDED] * 2 + [forks] * 2
     one, expected = generate(tiny_qwen2_4l_dir, prompts, 1, params, **dict(VARIANTS[variant]))
-    staged, got = generate(tiny_qwen2_4l_dir, prompts, pp, params, **dict(VARIANTS[variant]))
+    staged, got = generate(tiny_qwen2_4l_dir, prompts, pp, params, tp=tp, **dict(VARIANTS[variant]))
     assert [len(c) for c in got] == [1] * (len(prompts) - 2) + [3, 3]
     first = staged.runner.model
     assert len(first.layers) == 4 // pp + (1 if pp == 3 else 0) and staged.runner.kv_cache.shape[1] == len(first.layers)
     assert first.embed is not None and first.lm_head is None  # the LM head lives on the last stage
+    assert first.config.num_kv_heads == 2 // tp and staged.runner.kv_cache.shape[4] == 2 // tp  # its heads
     if variant == "preempt":
         assert staged.scheduler.num_preemptions > 0 and one.scheduler.num_preemptions > 0
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
@@ -124,8 +126,8 @@ def test_what_is_not_supported_yet_is_refused():
         EngineConfig(pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="one layer count per pipeline stage"):
         EngineConfig(pipeline_parallel_size=2, pp_layer_partition=(30,))
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported yet"):
-        EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="KV offload tiers with pipeline_parallel_size > 1"):
+        EngineConfig(pipeline_parallel_size=2, cache=CacheConfig(offload=OffloadConfig(cpu_bytes=1 << 20)))
 
 
 def test_cli_flags_reach_the_engine_config():

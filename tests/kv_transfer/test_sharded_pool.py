@@ -5,8 +5,8 @@ The sender's pool is p shards of 6/p KV heads, the receiver's d shards of 6/d; t
 TCP sides (staged: the sender gathers each block's heads from its shards, the receiver scatters them into
 its own), through the socket or through shared staging buffers, and the receiver's blocks must equal the
 sender's head for head while the blocks it did not pull stay untouched. The same for layer shards, sender
-and receiver split differently (and one of them not at all), and for a layer-split sender to a head-split
-receiver: on the wire a block is the whole block either way.
+and receiver split differently (and one of them not at all), and between layer-split, head-split and
+(stage x rank)-split pools: on the wire a block is the whole block either way.
 """
 import pytest
 import torch
@@ -78,20 +78,28 @@ def layer_pool(split: tuple[int, ...], seed: int | None) -> ShardedKV | torch.Te
     gen = torch.Generator().manual_seed(seed or 0)
     shards = [torch.randn((BLOCKS, n, 2, 4, HEADS, 8), generator=gen).to(torch.bfloat16) if seed is not None
               else torch.zeros((BLOCKS, n, 2, 4, HEADS, 8), dtype=torch.bfloat16) for n in split]
-    return ShardedKV(shards, axis="layers") if len(split) > 1 else shards[0]
+    return ShardedKV(shards, stages=len(split)) if len(split) > 1 else shards[0]
 
 
 def whole_of(p) -> torch.Tensor:
     if not isinstance(p, ShardedKV):
         return p
-    return torch.cat(p.shards, dim=1 if p.axis == "layers" else 4)
+    n = p.ranks_per_stage
+    return torch.cat([torch.cat(p.shards[s * n:(s + 1) * n], dim=4) for s in range(p.stages)], dim=1)
 
 
-@pytest.mark.parametrize("src_split,dst", [((2, 3), (5,)), ((5,), (1, 4)), ((2, 3), (3, 1, 1)), ((1, 4), "heads")])
+def grid_pool(split: tuple[int, ...], ranks: int) -> ShardedKV:
+    """Zeros: stages of `split` layers, each of `ranks` tensor-parallel ranks (HEADS / ranks heads each)."""
+    return ShardedKV([torch.zeros((BLOCKS, n, 2, 4, HEADS // ranks, 8), dtype=torch.bfloat16)
+                      for n in split for _ in range(ranks)], stages=len(split))
+
+
+@pytest.mark.parametrize("src_split,dst", [((2, 3), (5,)), ((5,), (1, 4)), ((2, 3), (3, 1, 1)), ((1, 4), "tp2"),
+                                           ((2, 3), "pp2xtp3")])
 def test_pull_between_pipeline_splits(src_split, dst):
     src = layer_pool(src_split, seed=3)
-    dst_pool = layer_pool(dst, seed=None) if dst != "heads" else \
-        ShardedKV([torch.zeros((BLOCKS, LAYERS, 2, 4, HEADS // 2, 8), dtype=torch.bfloat16) for _ in range(2)])
+    dst_pool = {"tp2": lambda: grid_pool((LAYERS,), 2), "pp2xtp3": lambda: grid_pool((4, 1), 3)}.get(
+        dst, lambda: layer_pool(dst, seed=None))()
     layout = KVLayout.of_kv_cache(src, "m")
     assert layout == KVLayout.of_kv_cache(whole_of(src), "m") == KVLayout.of_kv_cache(dst_pool, "m")
     config = KVTransferConfig(backend="auto", host="127.0.0.1", staging_chunk_bytes=2 * layout.block_nbytes)
@@ -104,7 +112,12 @@ def test_pull_between_pipeline_splits(src_split, dst):
     assert torch.equal(got[local], whole_of(src)[remote])
     assert not got[[b for b in range(BLOCKS) if b not in local]].any()
     with pytest.raises(ValueError, match="differs from shard 0"):  # stages differ only in their layer count
-        ShardedKV([torch.zeros(2, 1, 2, 4, 2, 8), torch.zeros(2, 2, 2, 4, 3, 8)], axis="layers")
+        ShardedKV([torch.zeros(2, 1, 2, 4, 2, 8), torch.zeros(2, 2, 2, 4, 3, 8)], stages=2)
+    with pytest.raises(ValueError, match="differs from shard 0"):  # the ranks of one stage hold the same layers
+        ShardedKV([torch.zeros(2, 1, 2, 4, 2, 8), torch.zeros(2, 2, 2, 4, 2, 8)])
+    grid = grid_pool((2, 3), 3)
+    assert grid.shape == (BLOCKS, 5, 2, 4, HEADS, 8) and grid.kind == "tensor-parallel and pipeline-parallel"
+    assert (grid.layer_range(4), grid.head_range(4)) == ((2, 5), (2, 4))  # stage 1, rank 1
 
 
 def test_sharded_pool_refuses_nixl_by_name():
