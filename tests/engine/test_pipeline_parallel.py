@@ -7,7 +7,6 @@ and three stages on a 4-layer Qwen2 (untied head), two stages of two tensor-para
 stages with an uneven split on SmolLM2 (tied embeddings: the last stage holds its own copy as the LM head).
 """
 import argparse
-import random
 
 import pytest
 
@@ -16,6 +15,8 @@ from engine.kv_offload.config import OffloadConfig
 from engine.llm_engine import LLMEngine
 from engine.parallel.pipeline import stage_layers
 from engine.sampling_params import SamplingParams
+from tests.engine.test_tensor_parallel import generate as tp_generate
+from tests.engine.test_tensor_parallel import tiny_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7)
@@ -48,24 +49,9 @@ def tiny_qwen2_4l_dir(tmp_path_factory, tokenizer_dir):
     return save_tiny_checkpoint(Qwen2ForCausalLM(config), tmp_path_factory.mktemp("tiny-qwen2-4l"), tokenizer_dir)
 
 
-def tiny_prompts():
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 120))] for _ in range(7)]
-    return prompts + [prompts[0][:40] + [9] * 30, [7]]
-
-
 def generate(model_dir, prompts, pp, params, partition=None, tp=1, **overrides):
     """Every completion's tokens (n of them per prompt), from an engine with `pp` stages (of `tp` ranks)."""
-    config = EngineConfig(model=str(model_dir), dtype="float32", pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                          pp_layer_partition=partition, scheduler=overrides.pop("scheduler", SchedulerConfig()),
-                          cache=overrides.pop("cache", CacheConfig(num_blocks=512)))
-    engine = LLMEngine(config)
-    try:
-        tokens = [[c.token_ids for c in o.completions] for o in engine.generate(prompts, params)]
-        assert not engine.has_unfinished() and engine.kv.pool.num_used_blocks == 0
-        return engine, tokens
-    finally:
-        engine.shutdown()
+    return tp_generate(model_dir, prompts, tp, params, pp=pp, partition=partition, **overrides)
 
 
 VARIANTS = {

@@ -105,9 +105,11 @@ def tiny_prompts():
     return prompts + [prompts[0][:40] + [9] * 30, [7]]
 
 
-def generate(model_dir, prompts, tp, params=GREEDY, **overrides):
-    """Every completion's tokens (n of them per prompt), from an engine with `tp` ranks."""
+def generate(model_dir, prompts, tp, params=GREEDY, pp=1, partition=None, **overrides):
+    """Every completion's tokens (n of them per prompt), from an engine with `tp` ranks (in each of `pp`
+    pipeline stages of `partition`'s layers)."""
     config = EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=tp,
+                          pipeline_parallel_size=pp, pp_layer_partition=partition,
                           scheduler=overrides.pop("scheduler", SchedulerConfig()),
                           cache=overrides.pop("cache", CacheConfig(num_blocks=512)))
     engine = LLMEngine(config)
