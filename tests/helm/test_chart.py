@@ -338,7 +338,24 @@ def test_tensor_parallel_sizes_reach_each_pool_and_need_a_gpu_per_rank():
     assert sizes == {"prefill": "1", "decode": "2"}
     ray = template("--set", "mode=raycluster", *two_gpus)
     assert "--prefill-tensor-parallel-size 1\n" in ray and "--decode-tensor-parallel-size 2\n" in ray
-    with pytest.raises(ValueError, match=r"decode.tensorParallelSize=2 needs decode.resources.limits nvidia.com/gpu"
-                                         r" >= 2 \(one GPU per rank\), got 1"):
+    with pytest.raises(ValueError, match=r"decode.tensorParallelSize=2 x pipelineParallelSize=1 needs "
+                                         r"decode.resources.limits nvidia.com/gpu >= 2 \(one GPU per rank\), got 1"):
         template("--set", "decode.tensorParallelSize=2")
     assert_schema_refuses("prefill.tensorParallelSize=0", "at '/prefill/tensorParallelSize'")
+
+
+def test_pipeline_stages_reach_each_pool_and_need_a_gpu_per_rank_of_every_stage():
+    shape = ("--set", "prefill.pipelineParallelSize=2", "--set", "prefill.tensorParallelSize=2",
+             "--set-string", r"prefill.resources.limits.nvidia\.com/gpu=4",
+             "--set-string", r"prefill.resources.requests.nvidia\.com/gpu=4")
+    deployments = by_kind(objects(template(*shape)), "Deployment")
+    stages = {d["metadata"]["name"].rsplit("-", 1)[1]: c["args"][c["args"].index("--pipeline-parallel-size") + 1]
+              for d in deployments for c in d["spec"]["template"]["spec"]["containers"]
+              if "--pipeline-parallel-size" in c.get("args", [])}
+    assert stages == {"prefill": "2", "decode": "1"}
+    ray = template("--set", "mode=raycluster", *shape)
+    assert "--prefill-pipeline-parallel-size 2\n" in ray and "--decode-pipeline-parallel-size 1\n" in ray
+    with pytest.raises(ValueError, match=r"prefill.tensorParallelSize=2 x pipelineParallelSize=2 needs "
+                                         r"prefill.resources.limits nvidia.com/gpu >= 4 \(one GPU per rank\), got 2"):
+        template(*shape[:4], "--set-string", r"prefill.resources.limits.nvidia\.com/gpu=2")
+    assert_schema_refuses("decode.pipelineParallelSize=0", "at '/decode/pipelineParallelSize'")

@@ -432,6 +432,8 @@ affinity: {{- toYaml . | nindent 2 }}
 {{- include "pdserve.checkTensorParallel" (dict "root" .root "role" .role) -}}
 - --tensor-parallel-size
 - {{ $w.tensorParallelSize | quote }}
+- --pipeline-parallel-size
+- {{ $w.pipelineParallelSize | quote }}
 - --host
 - 0.0.0.0
 - --port
@@ -516,12 +518,13 @@ matchExpressions:
 {{- end -}}
 {{- end -}}
 
-{{/* A CUDA worker of tensor-parallel size N needs N GPUs in its pod (one per rank). */}}
+{{/* A CUDA worker of tensor-parallel size N and P pipeline stages needs N x P GPUs in its pod (one per rank). */}}
 {{- define "pdserve.checkTensorParallel" -}}
 {{- $w := index .root.Values .role -}}
 {{- $gpus := int (index ($w.resources.limits | default dict) "nvidia.com/gpu" | default 0) -}}
-{{- if and (eq .root.Values.model.device "cuda") (lt $gpus (int $w.tensorParallelSize)) -}}
-{{- fail (printf "%s.tensorParallelSize=%d needs %s.resources.limits nvidia.com/gpu >= %d (one GPU per rank), got %d" .role (int $w.tensorParallelSize) .role (int $w.tensorParallelSize) $gpus) -}}
+{{- $ranks := mul (int $w.tensorParallelSize) (int ($w.pipelineParallelSize | default 1)) -}}
+{{- if and (eq .root.Values.model.device "cuda") (lt $gpus $ranks) -}}
+{{- fail (printf "%s.tensorParallelSize=%d x pipelineParallelSize=%d needs %s.resources.limits nvidia.com/gpu >= %d (one GPU per rank), got %d" .role (int $w.tensorParallelSize) (int ($w.pipelineParallelSize | default 1)) .role $ranks $gpus) -}}
 {{- end -}}
 {{- end -}}
 
