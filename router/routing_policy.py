@@ -332,11 +332,12 @@ class RoutingPolicy:
 
     def pick_prefill(self, candidates: list[Candidate], prompt_blocks: int, key: int | None = None,
                      block_size: int = DEFAULT_BLOCK_SIZE) -> Candidate | None:
-        # With a pull on offer the margin is at least one request's fixed cost: others' work is seen in polls up
-        # to a health interval old, so a holder may look one request busier than it is, and a pull (cheap, a
-        # few ms) would then move the prefix away from an idle holder on a phantom.
+        # With a pull on offer the margin is at least one request's fixed cost (the largest learnt): others' work
+        # is seen in polls up to a health interval old, so a holder may look one request busier than it is, and
+        # each worker's learnt fixed cost is noisy under load; a pull (cheap, a few ms) would then move the
+        # prefix away from an idle holder on a phantom.
         pulls = [c for c in candidates if self.pull_blocks(c, prompt_blocks)]
-        noise = min((self.speeds(c, block_size)[1] for c in candidates), default=0.0) if pulls else 0.0
+        noise = max((self.speeds(c, block_size)[1] for c in candidates), default=0.0) if pulls else 0.0
         return self._pick("prefill", candidates, lambda c: self.prefill_cost(c, prompt_blocks, block_size),
                           key, lambda best: max(self.weights.tie_ratio * best, noise), min(prompt_blocks, KEY_BLOCKS))
 
