@@ -111,6 +111,7 @@ def test_tiny_gemma_two_ranks_equal_transformers(gemma_dirs, prompts, expected, 
     assert_equal([c[0] for c in got], expected[family])
 
 
+@pytest.mark.slow  # spawns a stage process (`make test-fast` leaves it out)
 def test_tiny_gemma3_two_pipeline_stages_equal_transformers(gemma_dirs, prompts, expected):
     """Each stage's windows and RoPE (global or local) are those of its own layers (global indices)."""
     family = "gemma3"

@@ -121,6 +121,7 @@ def test_tiny_moe_two_ranks_equal_transformers(moe_case):
     assert_equal([c[0] for c in got], expected)
 
 
+@pytest.mark.slow  # spawns a stage process (`make test-fast` leaves it out)
 def test_tiny_moe_two_pipeline_stages_equal_transformers(moe_case):
     """Each stage routes its own sparse layers; the expert counts keep their global layer indices."""
     family, path, prompts, expected = moe_case

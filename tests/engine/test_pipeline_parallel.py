@@ -60,8 +60,13 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant,pp,tp", [("chunked", 2, 1), ("preempt", 2, 1), ("chunked", 3, 1),
-                                           ("preempt", 3, 1), ("chunked", 2, 2)])  # plain steps are in both
+SLOW = pytest.mark.slow  # stage processes spawned per engine: `make test-fast` keeps one case of them
+
+
+@pytest.mark.parametrize("variant,pp,tp", [("chunked", 2, 1), pytest.param("preempt", 2, 1, marks=SLOW),
+                                           pytest.param("chunked", 3, 1, marks=SLOW),
+                                           pytest.param("preempt", 3, 1, marks=SLOW),
+                                           pytest.param("chunked", 2, 2, marks=SLOW)])  # plain steps are in both
 def test_stages_equal_one_process_on_a_tiny_qwen2(tiny_qwen2_4l_dir, variant, pp, tp):
     prompts = tiny_prompts()
     # Two prompts fork into 3 samples after their prompt (copy-on-write of the shared partial block); two are
@@ -81,6 +86,7 @@ def test_stages_equal_one_process_on_a_tiny_qwen2(tiny_qwen2_4l_dir, variant, pp
         assert g == e, f"prompt {i} differs"
 
 
+@SLOW
 def test_three_uneven_stages_equal_one_process_on_smollm2(smollm2_dir):
     from engine.tokenizer import Tokenizer
     tokenizer = Tokenizer(smollm2_dir)
