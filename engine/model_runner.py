@@ -175,14 +175,17 @@ class ModelRunner:
         stage = self.stage
         if stage is None:
             return self.model.forward(input_ids, positions, kv_cache, meta, logits_indices)
-        hidden = None if stage.is_first else stage.recv(stage.rank - 1, self.model.dtype, self.device)
+        config, dtype = self.model.config, self.model.dtype
+        hidden = None
+        if not stage.is_first:  # the residual stream of every token of the step
+            hidden = stage.recv(stage.rank - 1, (positions.shape[0], config.hidden_size), dtype, self.device)
         out = self.model.forward(input_ids, positions, kv_cache, meta, logits_indices, hidden)
         if not stage.is_last:
             stage.send(out, stage.rank + 1)
         elif not stage.is_first:
             stage.send(out, 0)
-        if stage.is_first and not stage.is_last:
-            return stage.recv(stage.size - 1, self.model.dtype, self.device)
+        if stage.is_first and not stage.is_last:  # the logits of the sampled rows
+            return stage.recv(stage.size - 1, (logits_indices.shape[0], config.vocab_size), dtype, self.device)
         return out
 
     def kv_shards(self) -> list[torch.Tensor]:

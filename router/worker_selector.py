@@ -122,7 +122,7 @@ class WorkerSelector:
         roomy = [w for w in workers if w.has_room] or workers  # the worker itself refuses if really full
         candidates = self._candidates(roomy, block_hashes, in_progress=True)
         if self.peer_pulls and self.policy.uses_prefix:
-            self._add_pull_options(candidates, block_hashes[:(prompt_len - 1) // self.block_size])
+            self._add_pull_options(candidates, self._pullable(prompt_len, block_hashes))
         chosen = self.policy.pick_prefill(candidates, len(block_hashes), routing_key(block_hashes), self.block_size)
         plan = self.policy.prefill_plan(chosen, len(block_hashes), self.block_size)
         pick = PrefillPick(self.pool.get(chosen.address), chosen.held, plan.seconds if self.policy.uses_prefix else 0.0)
@@ -170,7 +170,7 @@ class WorkerSelector:
         candidates = self._candidates(decode, block_hashes)
         local = not self.pool.has_role("prefill")
         if local and self.peer_pulls and self.policy.uses_prefix:  # the chosen one computes the prompt: peers'
-            self._add_pull_options(candidates, self._pullable(prompt, block_hashes))  # copies count as held
+            self._add_pull_options(candidates, self._pullable(len(prompt), block_hashes))  # copies count as held
         chosen = self.policy.pick_decode(candidates, len(block_hashes), routing_key(block_hashes), self.block_size)
         worker = self.pool.get(chosen.address)
         worker.begin_decode()
@@ -190,7 +190,7 @@ class WorkerSelector:
         if not (self.peer_pulls and self.policy.uses_prefix):
             return route
         if chosen.pull is None:
-            self._add_pull_options([chosen], self._pullable(prompt, block_hashes))
+            self._add_pull_options([chosen], self._pullable(len(prompt), block_hashes))
         pulled = self.policy.prefill_plan(chosen, len(block_hashes), self.block_size).pull_blocks
         if pulled:
             route.pull = PullOption(chosen.pull.holder, int(chosen.cached_blocks) + pulled, chosen.pull.lease_s)
@@ -198,9 +198,9 @@ class WorkerSelector:
                 self.metrics.observe_hits("peer", self._peer_media(route.pull, block_hashes, int(chosen.cached_blocks)))
         return route
 
-    def _pullable(self, prompt: list[int], block_hashes: list[int]) -> list[int]:
+    def _pullable(self, prompt_len: int, block_hashes: list[int]) -> list[int]:
         """The blocks of a prompt a pull may bring: never its last token's (computed for its logits)."""
-        return block_hashes[:(len(prompt) - 1) // self.block_size]
+        return block_hashes[:(prompt_len - 1) // self.block_size]
 
     def _link_pays(self, decode: WorkerClient, prefill: list[WorkerClient]) -> bool:
         """Whether KV moves into `decode` at least as fast as the prefill pool computes it (per token)."""

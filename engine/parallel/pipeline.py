@@ -69,18 +69,14 @@ class PipelineStage:
         return self.end - self.start
 
     def send(self, x: torch.Tensor, dst: int) -> None:
-        """`x` (2-D) to stage `dst`: its shape first (two int64s), then its elements (none when empty: a step
-        that samples nothing has no logits)."""
-        x = x.contiguous()
-        self.group.send(torch.tensor(x.shape, dtype=torch.int64, device=x.device), dst)
+        """`x` to stage `dst`, which knows its shape (nothing is sent when it is empty: a step that samples
+        nothing has no logits). No shape travels: on CUDA reading one would sync the stream every step."""
         if x.numel():
-            self.group.send(x, dst)
+            self.group.send(x.contiguous(), dst)
 
-    def recv(self, src: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The next tensor stage `src` sends (a 2-D tensor of `dtype`)."""
-        shape = torch.empty(2, dtype=torch.int64, device=device)
-        self.group.recv(shape, src)
-        x = torch.empty(tuple(shape.tolist()), dtype=dtype, device=device)
+    def recv(self, src: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The tensor of `shape` stage `src` sends next."""
+        x = torch.empty(shape, dtype=dtype, device=device)
         if x.numel():
             self.group.recv(x, src)
         return x
