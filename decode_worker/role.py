@@ -20,14 +20,10 @@ from worker_runtime.errors import Draining, WorkerError
 from worker_runtime.kv_handle import KVSource, prefix_source
 from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import abort_with
-from worker_runtime.transfer_sides import open_sides
 
 
 class DecodeRole(WorkerRole):
     name = "decode"
-
-    def open_transfer(self, kv_cache, layout, kv_config):
-        return open_sides(kv_cache, layout, kv_config)
 
     def make_loop(self, engine, aio, transfer_side, config) -> DecodeLoop:
         return DecodeLoop(engine, aio, transfer_side.receiver, config.pull_timeout_s, transfer_side.sender,

@@ -15,6 +15,7 @@ def layer_counts(text: str) -> tuple[int, ...]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXECUTOR_BACKENDS = ("mp", "ray")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 SPECULATIVE_METHODS = ("ngram", "draft")
 QUANTIZATIONS = ("int8", "fp8")
@@ -175,6 +176,14 @@ class EngineConfig:
         "type": layer_counts, "metavar": "N,N,...",
         "help": "layers per pipeline stage, first to last (default: an even split, the remainder to the first)"})
     """Layers per stage, first to last (None: an even split, one more layer each for the first stages)."""
+    distributed_executor_backend: str = field(default="mp", metadata={
+        "choices": EXECUTOR_BACKENDS,
+        "help": "how the other pipeline stages start: mp (processes on this node) or ray (Ray actors on the "
+                "nodes of the worker's placement group, one stage per node)"})
+    """`mp`: every rank a process spawned on this node (its KV mapped by this process). `ray`: pipeline stages
+    1.. as Ray actors, one per bundle of the worker's placement group (across nodes), each serving the KV of
+    its layers from a sender of its own (engine/parallel/ray_stages.py, remote_stages.py); tensor parallelism
+    inside a stage is not supported with it yet."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig, metadata={"group": "KV cache"})
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
@@ -199,6 +208,12 @@ class EngineConfig:
         if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
             raise ValueError(f"pp_layer_partition needs one layer count per pipeline stage "
                              f"({self.pipeline_parallel_size}), got {list(self.pp_layer_partition)}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend ray runs one process per pipeline stage: "
+                             "tensor_parallel_size > 1 needs the mp backend for now")
         if self.pipeline_parallel_size > 1 and self.cache.offload.enabled:
             raise ValueError("KV offload tiers with pipeline_parallel_size > 1 are not supported yet")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):

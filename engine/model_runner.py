@@ -196,8 +196,13 @@ class ModelRunner:
     @property
     def kv_stages(self) -> int:
         """Pipeline stages `kv_shards` spans (each a layer range; within a stage, its tensor-parallel ranks'
-        head ranges, in rank order)."""
-        return self.stage.size if self.stage is not None else 1
+        head ranges, in rank order): those on this node."""
+        return self.stage.size - len(self.remote_stages()) if self.stage is not None else 1
+
+    def remote_stages(self) -> list:
+        """The pipeline stages on other nodes (engine/parallel/remote_stages.py `RemoteStage`s), which serve
+        the KV of their layers themselves; [] when every rank runs on this node."""
+        return self.peers.remote_stages if self.peers is not None else []
 
     def _copy_blocks(self, block_copies) -> None:
         for src, dst in block_copies:

@@ -67,10 +67,11 @@ class KVSender(KVSide):
 
     @abc.abstractmethod
     def expect(self, transfer_id: str, block_ids: Sequence[int],
-               timeout_s: float | None = None) -> Transfer:
+               timeout_s: float | None = None, capability: str | None = None) -> Transfer:
         """Expose ``block_ids`` for ``transfer_id`` until read, aborted or expired. The returned
-        transfer's ``capability`` (128 random bits, hex) must reach the receiver (in the KV handle):
-        a ``read`` or ``abort`` without it is refused like one of an unknown transfer."""
+        transfer's ``capability`` (128 random bits, hex; ``capability`` when given: the one a pipeline's first
+        stage issued for every stage's sender) must reach the receiver (in the KV handle): a ``read`` or
+        ``abort`` without it is refused like one of an unknown transfer."""
 
 
 class KVReceiver(KVSide):

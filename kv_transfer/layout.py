@@ -54,6 +54,9 @@ class KVLayout:
     """Device kind of the pool: ``"cpu"`` or ``"cuda"`` (not the device index: two GPUs interoperate)."""
     kv_scales: str = ""
     """Digest of the per-layer (k_scale, v_scale) of a quantized (fp8) pool; empty when K/V are stored as is."""
+    first_layer: int = 0
+    """The model layer the pool's first layer is: a pipeline stage's pool holds layers
+    ``[first_layer, first_layer + num_layers)`` (kv_transfer/layer_split.py), a whole model's starts at 0."""
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -64,6 +67,8 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.first_layer, int) or self.first_layer < 0:
+            raise ValueError(f"first_layer must be an int >= 0, got {self.first_layer!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} not one of {LAYOUTS}")
         if self.device not in DEVICES:

@@ -106,14 +106,14 @@ class ControlSender(ControlSide, KVSender):
         }
 
     def expect(self, transfer_id: str, block_ids: Sequence[int],
-               timeout_s: float | None = None) -> Transfer:
+               timeout_s: float | None = None, capability: str | None = None) -> Transfer:
         if self._closed:
             raise RuntimeError("sender is closed")
         ids = self.region.check_ids(block_ids, f"expect({transfer_id!r})")
         t = Transfer(str(transfer_id), "sender", ids,
                      timeout_s if timeout_s is not None else self.config.default_timeout_s,
                      self.config.abort_wait_s, on_finish=self._table.finished)
-        t.capability = auth.new_capability()
+        t.capability = capability or auth.new_capability()
         self._table.add(t)
         return t
 

@@ -31,9 +31,11 @@ class ShardedKV:
     """N rank tensors of one pool, seen as whole blocks (``shape``, ``dtype`` and ``device`` as a tensor's,
     so :meth:`KVLayout.of_kv_cache` reads the whole-block layout off it). With ``stages`` > 1 (pipeline
     parallelism) the shards are ``stages`` rows, in order, of N / stages tensor-parallel ranks each: stage s
-    holds a contiguous layer range (the ranges may differ in size), each of its ranks an equal head range."""
+    holds a contiguous layer range (the ranges may differ in size), each of its ranks an equal head range.
+    ``layers`` = ``(lo, hi)``: only those layers of every block (the pool reads as blocks of ``hi - lo`` layers),
+    what a receiver pulling one pipeline stage's layer range writes into (kv_transfer/layer_split.py)."""
 
-    def __init__(self, shards: Sequence[Any], stages: int = 1) -> None:
+    def __init__(self, shards: Sequence[Any], stages: int = 1, layers: tuple[int, int] | None = None) -> None:
         shards = list(shards)
         if not shards:
             raise ValueError("a sharded KV pool needs at least one shard")
@@ -58,8 +60,12 @@ class ShardedKV:
         self._layer_bounds = [0]
         for stage in range(stages):
             self._layer_bounds.append(self._layer_bounds[-1] + int(shards[stage * self.ranks_per_stage].shape[1]))
+        lo, hi = layers if layers is not None else (0, self._layer_bounds[-1])
+        if not 0 <= lo < hi <= self._layer_bounds[-1]:
+            raise ValueError(f"layers [{lo}, {hi}) are not within the pool's {self._layer_bounds[-1]} layers")
+        self.window = (lo, hi)
         nb, _, _, block_size, h, head_dim = (int(d) for d in first.shape)
-        self.shape = (nb, self._layer_bounds[-1], 2, block_size, h * self.ranks_per_stage, head_dim)
+        self.shape = (nb, hi - lo, 2, block_size, h * self.ranks_per_stage, head_dim)
         self.dtype = first.dtype
         self.device = first.device
 
@@ -83,9 +89,16 @@ class ShardedKV:
         s = rank // self.ranks_per_stage
         return self._layer_bounds[s], self._layer_bounds[s + 1]
 
-    def index(self, rank: int) -> tuple:
-        """Rank ``rank``'s part of whole blocks ``[count, num_layers, 2, block_size, heads, head_dim]``."""
-        return (slice(None), slice(*self.layer_range(rank)), slice(None), slice(None), slice(*self.head_range(rank)))
+    def index(self, rank: int) -> tuple[tuple, slice] | None:
+        """Rank ``rank``'s part of the pool's blocks: (its index into blocks ``[count, num_layers, 2, block_size,
+        heads, head_dim]`` as this pool reads them, the layers of its shard it covers); None when the shard
+        holds none of the pool's layers."""
+        (a, b), (lo, hi) = self.layer_range(rank), self.window
+        x, y = max(a, lo), min(b, hi)
+        if x >= y:
+            return None
+        heads = slice(*self.head_range(rank))
+        return (slice(None), slice(x - lo, y - lo), slice(None), slice(None), heads), slice(x - a, y - a)
 
 
 def region_of(pool: Any, layout: KVLayout) -> KVRegion:
@@ -93,7 +106,7 @@ def region_of(pool: Any, layout: KVLayout) -> KVRegion:
     if not isinstance(pool, ShardedKV):
         return KVRegion.from_buffer(pool, layout)
     # Whole blocks with ``addr`` 0: there is no one byte range.
-    if KVLayout.of_kv_cache(pool, layout.model_id, None).mismatched_fields(layout) not in ([], ["kv_scales"]):
+    if set(KVLayout.of_kv_cache(pool, layout.model_id, None).mismatched_fields(layout)) - {"kv_scales", "first_layer"}:
         raise ValueError(f"sharded pool {pool.shape} {pool.dtype} does not match layout {layout}")
     nbytes = pool.shape[0] * layout.block_nbytes
     return KVRegion(pool, layout, 0, nbytes, pool.shape[0], pool.device.type, int(pool.device.index or 0),
@@ -143,8 +156,10 @@ class ShardedCopier(StreamCopier):
                 if self.pin and not to_host:
                     whole.copy_(host, non_blocking=True)
                 for r, shard in enumerate(pool.shards):
-                    mine = pool.index(r)
-                    part = shard[block:block + count]
+                    if (index := pool.index(r)) is None:
+                        continue
+                    mine, layers = index
+                    part = shard[block:block + count, layers]
                     if to_host:
                         whole[mine].copy_(part, non_blocking=self.pin)
                     else:

@@ -18,7 +18,6 @@ from worker_runtime.kv_handle import peer_to_proto, prefix_source
 from worker_runtime.kv_leases import lease_seconds
 from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import abort_with
-from worker_runtime.transfer_sides import open_sides
 
 
 class PrefillRole(WorkerRole):
@@ -27,9 +26,6 @@ class PrefillRole(WorkerRole):
     def engine_config(self, config: EngineConfig) -> EngineConfig:
         # It stops every request at its first token: nothing to speculate.
         return dataclasses.replace(config, speculative=SpeculativeConfig())
-
-    def open_transfer(self, kv_cache, layout, kv_config):
-        return open_sides(kv_cache, layout, kv_config)
 
     def make_loop(self, engine, aio, transfer_side, config) -> PrefillLoop:
         return PrefillLoop(engine, aio, transfer_side.sender, transfer_side.receiver, config.peer_pull_timeout_s)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from common.cluster_auth import handles
 from common.protocol import worker_pb2
 from engine.sampling_params import InvalidParameter
+from kv_transfer.layer_split import MAX_STAGES, check_stages
 
 MAX_HOST_CHARS = 255
 MAX_NAME_CHARS = 32
@@ -66,18 +67,21 @@ def prefix_source(request, prompt: list[int], block_size: int, handle_key: bytes
 
 
 def peer_to_proto(info: dict) -> worker_pb2.KVPeer:
-    """The prefill side: `KVSender.peer_info()` as the handle's typed `peer`."""
+    """The prefill side: `KVSender.peer_info()` as the handle's typed `peer` (with a layer-split sender's
+    stages, kv_transfer/layer_split.py)."""
+    stages = [worker_pb2.KVStagePeer(peer=peer_to_proto(s["peer"]), first_layer=s["first_layer"],
+                                     num_layers=s["num_layers"]) for s in info.get("stages") or ()]
     return worker_pb2.KVPeer(host=info["host"], port=info["port"], instance_id=str(info.get("instance_id", "")),
                              modes=info.get("modes") or [], backend=info.get("backend", ""),
                              protocol_version=info.get("protocol_version", 0),
                              compat_hash=info.get("compat_hash", ""), tls=bool(info.get("tls")),
-                             ipc_host=info.get("ipc_host", ""))
+                             ipc_host=info.get("ipc_host", ""), stages=stages)
 
 
-def parse_peer(peer: worker_pb2.KVPeer, field: str = "kv") -> dict:
+def parse_peer(peer: worker_pb2.KVPeer, field: str = "kv", name: str = "") -> dict:
     """`kv.peer` checked, as the dict kv_transfer's receiver reads (`KVSender.peer_info()`'s keys; ipc_host
-    only when set). Anything else is refused here, before it reaches the engine thread."""
-    name = f"{field}.peer"
+    and stages only when set). Anything else is refused here, before it reaches the engine thread."""
+    name = name or f"{field}.peer"
     _need(0 < len(peer.host) <= MAX_HOST_CHARS, f"{name}.host", f"must have 1 to {MAX_HOST_CHARS} characters")
     _need(0 < peer.port <= 65535, f"{name}.port", "must be in [1, 65535]")
     _need(len(peer.instance_id) <= MAX_TRANSFER_ID_CHARS, f"{name}.instance_id", "too long")
@@ -93,7 +97,24 @@ def parse_peer(peer: worker_pb2.KVPeer, field: str = "kv") -> dict:
             "compat_hash": peer.compat_hash, "tls": peer.tls}
     if peer.ipc_host:
         info["ipc_host"] = peer.ipc_host
+    if peer.stages:
+        info["stages"] = _parse_stages(peer, name)
     return info
+
+
+def _parse_stages(peer: worker_pb2.KVPeer, name: str) -> list[dict]:
+    _need(len(peer.stages) <= MAX_STAGES, f"{name}.stages", f"at most {MAX_STAGES}")
+    stages = []
+    for i, stage in enumerate(peer.stages):
+        _need(stage.HasField("peer") and not stage.peer.stages, f"{name}.stages[{i}].peer",
+              "must be one stage's sender")
+        stages.append({"peer": parse_peer(stage.peer, name=f"{name}.stages[{i}].peer"),
+                       "first_layer": stage.first_layer, "num_layers": stage.num_layers})
+    try:
+        check_stages(stages, sum(s["num_layers"] for s in stages))
+    except ValueError as exc:
+        raise InvalidParameter(f"{name}.stages", str(exc)) from None
+    return stages
 
 
 def check_transfer_id(transfer_id: str, field: str = "kv") -> str:

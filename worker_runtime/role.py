@@ -2,9 +2,9 @@
 
 The runtime owns what every worker has: the engine, its thread, the gRPC server with auth, health and
 metrics, admission and drain, the KV event log and the Redis presence. A role (prefill_worker/role.py,
-decode_worker/role.py) supplies the rest: its side of the KV transfer, its engine-thread loop, its RPC
-(Prefill or Decode), and what a drain does to streams still open. The runtime never imports a role; the
-command that starts a worker (pdserve/worker_roles.py) picks one and hands it over.
+decode_worker/role.py) supplies the rest: its engine-thread loop (given both KV transfer sides,
+transfer_sides.py), its RPC (Prefill or Decode), and what a drain does to streams still open. The runtime
+never imports a role; the command that starts a worker (pdserve/worker_roles.py) picks one and hands it over.
 """
 from __future__ import annotations
 
@@ -30,10 +30,6 @@ class WorkerRole(ABC):
     def engine_config(self, config: EngineConfig) -> EngineConfig:
         """The engine configuration this role runs (the worker's, adjusted where the role needs)."""
         return config
-
-    @abstractmethod
-    def open_transfer(self, kv_cache: Any, layout: Any, kv_config: Any) -> Any:
-        """Open this role's side of the KV transfer (kv_transfer's sender or receiver); runs off the event loop."""
 
     @abstractmethod
     def make_loop(self, engine: LLMEngine, aio: asyncio.AbstractEventLoop, transfer_side: Any,

@@ -35,6 +35,7 @@ from worker_runtime.kv_event_log import KvEventLog
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.role import WorkerRole
 from worker_runtime.servicer import WorkerServicer
+from worker_runtime.transfer_sides import open_sides
 
 logger = logging.getLogger(__name__)
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -66,16 +67,18 @@ class WorkerServer:
             torch.set_num_threads(config.num_threads)
         aio = asyncio.get_running_loop()
         self.engine = await aio.run_in_executor(None, LLMEngine, self.role.engine_config(config.engine))
-        shards = self.engine.runner.kv_shards()  # one per tensor-parallel rank or pipeline stage
-        kv_cache = shards[0] if len(shards) == 1 else ShardedKV(shards, self.engine.runner.kv_stages)
-        layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name, self.engine.runner.kv_scales)
+        runner = self.engine.runner
+        shards = runner.kv_shards()  # one per tensor-parallel rank or pipeline stage in this node's processes
+        kv_cache = shards[0] if len(shards) == 1 else ShardedKV(shards, runner.kv_stages)
+        layout = KVLayout.of_kv_cache(kv_cache, Path(self.engine.model_path).name, runner.kv_scales)
+        stages = runner.remote_stages()  # pipeline stages on other nodes: their own senders
         keys = config.auth.load()  # read here, in the worker's process: never carried in its arguments
         warn_if_exposed(f"{config.role} worker gRPC", config.host, keys)
         warn_if_exposed(f"{config.role} worker KV transfer", config.kv_transfer.host, keys)
         kv_tls = KVTLSFiles(config.tls.cert_file, config.tls.key_file, config.tls.ca_file) \
             if config.tls.enabled and config.kv_tls else None
         kv_config = dataclasses.replace(config.kv_transfer, auth_key=keys.kv if keys else None, tls=kv_tls)
-        self._transfer_side = await aio.run_in_executor(None, self.role.open_transfer, kv_cache, layout, kv_config)
+        self._transfer_side = await aio.run_in_executor(None, open_sides, kv_cache, layout, kv_config, stages)
         self._loop_thread = self.role.make_loop(self.engine, aio, self._transfer_side, config)
         kv_events = self._loop_thread.kv_events = KvEventLog(self.engine, aio)
         self._loop_thread.start()
@@ -95,7 +98,8 @@ class WorkerServer:
         self._servicer = WorkerServicer(config, self.role, self._loop_thread, self.address,
                                         getattr(self._transfer_side, "backend_name", ""))
         self._servicer.handle_key = keys.handle if keys else None
-        self._servicer.kv_block_bytes = layout.block_nbytes
+        all_layers = layout.num_layers + sum(stage.num_layers for stage in stages)
+        self._servicer.kv_block_bytes = layout.block_nbytes * all_layers // layout.num_layers
         worker_pb2_grpc.add_WorkerServicer_to_server(self._servicer, self._server)
         self._health = add_health_and_reflection(self._server, [SERVICE])
         if config.metrics_port is not None:

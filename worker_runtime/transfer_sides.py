@@ -7,9 +7,11 @@ peers; a decode worker pulls prompts from prefill workers and leases its cached 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
+from kv_transfer.layer_split import LayerSplitReceiver, LayerSplitSender
 
 
 class TransferSides:
@@ -29,11 +31,17 @@ class TransferSides:
         self.sender.close()
 
 
-def open_sides(kv_cache: Any, layout: Any, kv_config: Any) -> TransferSides:
-    """Both sides over one KV pool (the sender closed again if the receiver fails)."""
+def open_sides(kv_cache: Any, layout: Any, kv_config: Any, stages: Sequence[Any] = ()) -> TransferSides:
+    """Both sides over one KV pool (the sender closed again if the receiver fails). `stages`: the engine's
+    pipeline stages on other nodes (`ModelRunner.remote_stages`), each opening a sender of its own layers
+    there; the worker's sender then stands for all of them (kv_transfer/layer_split.py)."""
     sender = make_sender(kv_cache, layout, kv_config)
     try:
-        return TransferSides(sender, make_receiver(kv_cache, layout, kv_config))
+        if stages:
+            for stage in stages:
+                stage.open_sender(kv_config, layout)
+            sender = LayerSplitSender(sender, stages)
+        return TransferSides(sender, LayerSplitReceiver(kv_cache, layout, kv_config, make_receiver))
     except BaseException:
         sender.close()
         raise

@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import threading
 import time
 import traceback
 import weakref
@@ -42,9 +43,10 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.parallel import shared_kv
+from engine.parallel import ray_stages, shared_kv
 from engine.parallel.expert_parallel import check_expert_parallel
 from engine.parallel.pipeline import PipelineStage, stage_layers
+from engine.parallel.remote_stages import RemoteStage, StageKVServer
 from engine.parallel.sharding import check_tp_size
 from engine.parallel.tp_group import TPGroup, host_store
 
@@ -66,38 +68,55 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig, conn) -> None:
+def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig, conn, host: str | None = None) -> None:
     """Rank `rank` (>= 1): join the group, load this rank's shard, then run the steps rank 0 sends until
-    "stop" (or until its pipe closes). `config` is rank 0's, with the model path and max_model_len resolved."""
+    "stop" (or until its connection closes). `config` is rank 0's, with the model path and max_model_len
+    resolved. `host`: this rank is a pipeline stage on another node (ray_stages.py), at that address; it
+    serves its KV from a sender of its own (remote_stages.py) instead of exporting it to rank 0."""
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:  # the loop and the KV sender's threads share the connection
+        with lock:
+            conn.send_bytes(pickle.dumps(message))
+
+    kv_server = None
     try:
-        torch.set_num_threads(rank_threads(world_size))
-        config = replace(config, device=rank_device(config.device, rank))
+        torch.set_num_threads(rank_threads(world_size) if host is None else max(1, torch.get_num_threads()))
+        local = rank_device(config.device, 0 if host is not None else rank)  # a remote stage: its node's device
+        config = replace(config, device=local)
         device = torch.device(config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tp, pp = connect_groups(rank, config, init_method, device)
+        tp, pp = connect_groups(rank, config, init_method, device, host=host)
         model_config = ModelConfig.from_dir(config.model)
         runner = make_runner(config, config.model, model_config, config.max_model_len, tp, pp)
-        conn.send_bytes(pickle.dumps(("ready", runner.num_blocks, runner.kv_export)))
+        if host is not None:
+            kv_server = StageKVServer(runner.kv_cache, host, send)
+        send(("ready", runner.num_blocks, None if host is not None else runner.kv_export))
         while True:
             try:
                 message = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):  # rank 0 is gone
                 break
-            kind, args = message[0], _to_device(message[1:], device)
+            kind, args = message[0], message[1:]
             if kind == "stop":
                 break
             if kind == "step":
-                runner.run_step(*args)
+                runner.run_step(*_to_device(args, device))
             elif kind == "prompt":
-                runner.forward_prompt(*args)
+                runner.forward_prompt(*_to_device(args, device))
+            elif kv_server is not None:
+                kv_server.handle(kind, args)
         for group in (tp, pp):
             if group is not None:
                 group.close()
     except BaseException:
         with contextlib.suppress(Exception):
-            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+            send(("error", traceback.format_exc()))
         raise
+    finally:
+        if kv_server is not None:
+            kv_server.close()
 
 
 def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
@@ -111,7 +130,7 @@ def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
     if config.enable_expert_parallel:
         check_expert_parallel(config.tensor_parallel_size, model_config)
     config = replace(config, model=str(model_path), max_model_len=max_model_len)
-    executor = TPExecutor(config)
+    executor = TPExecutor(config, model_config.num_layers)
     try:
         runner = make_runner(config, model_path, model_config, max_model_len, executor.group, executor.stage_group)
         executor.wait_ready(runner.num_blocks)
@@ -123,7 +142,7 @@ def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
 
 
 def connect_groups(rank: int, config: EngineConfig, init_method: str, device: torch.device,
-                   store=None) -> tuple[TPGroup | None, TPGroup | None]:
+                   store=None, host: str | None = None) -> tuple[TPGroup | None, TPGroup | None]:
     """Process `rank`'s groups, (tensor-parallel, pipeline): with K stages of N ranks, rank s*N + t is rank t of
     stage s's tensor-parallel group `tp<s>` and stage s of the pipeline `pp<t>` (the ranks of one tensor-parallel
     position, one per stage, pass hidden states to each other). None where that size is 1."""
@@ -134,7 +153,8 @@ def connect_groups(rank: int, config: EngineConfig, init_method: str, device: to
         tp = TPGroup.connect(position, n, init_method, device, store=store,
                              expert_parallel=config.enable_expert_parallel, name=f"tp{stage}")
     if k > 1:  # every stage's tensor-parallel groups exist before any pipeline group is made: no rank waits on
-        pp = TPGroup.connect(stage, k, init_method, device, store=store, name=f"pp{position}")  # one that waits
+        pp = TPGroup.connect(stage, k, init_method, device, store=store, name=f"pp{position}",  # one that waits
+                             local_host=host)
     return tp, pp
 
 
@@ -153,35 +173,42 @@ class TPExecutor:
     tensor-parallel engine's, or a pipeline-parallel engine's stages (engine/parallel/pipeline.py: the same
     processes and pipes; each stage runs its part of the forward, passing hidden states on)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        """`config`: the engine's, with `model` a resolved directory and `max_model_len` set."""
+    def __init__(self, config: EngineConfig, num_layers: int) -> None:
+        """`config`: the engine's, with `model` a resolved directory and `max_model_len` set; `num_layers`:
+        the model's."""
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.kind = "pipeline stage" if config.tensor_parallel_size == 1 else "tensor-parallel rank"
         """What the other processes are, in errors."""
         self.kv_shards: list[torch.Tensor] = []
-        """The KV caches of ranks 1..N-1, mapped here (engine/parallel/shared_kv.py)."""
+        """The KV caches of the ranks on this node, mapped here (engine/parallel/shared_kv.py)."""
+        self.remote_stages: list[RemoteStage] = []
+        """The stages on other nodes (the ray backend), each serving its own KV (remote_stages.py)."""
+        self._links: dict[int, RemoteStage] = {}
+        self._stage_layers = stage_layers(num_layers, config.pipeline_parallel_size, config.pp_layer_partition)
         self._kv_mappings: list = []
+        self._send_lock = threading.Lock()
         self._threads = torch.get_num_threads()
-        torch.set_num_threads(rank_threads(self.world_size))
         device = torch.device(rank_device(config.device, 0))
         if device.type == "cuda":  # unrun here (no GPU on the development machine)
             torch.cuda.set_device(device)
-        store = host_store("127.0.0.1", self.world_size)
-        init_method = f"tcp://127.0.0.1:{store.port}"
-        ctx = mp.get_context("spawn")
-        self.conns = []
-        self.procs = []
-        for rank in range(1, self.world_size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=run_rank, args=(rank, self.world_size, init_method, config, theirs),
-                               name=f"pdserve-tp-rank{rank}", daemon=True)
-            proc.start()
-            theirs.close()
-            self.conns.append(ours)
-            self.procs.append(proc)
+        self.conns, self.procs = [], []
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        host = None
         try:
-            self.group, self.stage_group = connect_groups(0, config, init_method, device, store)
+            if config.distributed_executor_backend == "ray":
+                host = ray_stages.node_ip()  # the rendezvous: this node's address as Ray knows it, not loopback
+                store = host_store(host, self.world_size)
+                init_method = f"tcp://{host}:{store.port}"
+                conns, procs = ray_stages.launch(self.world_size, init_method, config, host,
+                                                 device.type == "cuda")
+            else:
+                torch.set_num_threads(rank_threads(self.world_size))
+                store = host_store("127.0.0.1", self.world_size)
+                init_method = f"tcp://127.0.0.1:{store.port}"
+                conns, procs = _spawn(self.world_size, init_method, config)
+            self.conns.extend(conns)
+            self.procs.extend(procs)
+            self.group, self.stage_group = connect_groups(0, config, init_method, device, store, host=host)
             """This rank's tensor-parallel group and pipeline group (None where that size is 1)."""
         except BaseException:
             self.shutdown()
@@ -200,6 +227,11 @@ class TPExecutor:
                 raise RuntimeError(f"{self.kind} {rank} failed:\n{value}")
             if value != num_blocks:
                 raise RuntimeError(f"{self.kind} {rank} has {value} KV blocks, rank 0 {num_blocks}")
+            if kv_handle[0] is None:  # a stage on another node: it serves its KV itself
+                start, end = self._stage_layers[rank]
+                link = self._links[rank] = RemoteStage(rank, start, end - start, conn, self.send_to)
+                self.remote_stages.append(link)
+                continue
             kv_cache, mapping = shared_kv.open_handle(kv_handle[0])
             self.kv_shards.append(kv_cache)
             self._kv_mappings.append(mapping)
@@ -208,11 +240,19 @@ class TPExecutor:
         """Hand a forward ("step" or "prompt" and its arguments) to every other rank."""
         self.check_alive()
         data = pickle.dumps(_to_device(message, torch.device("cpu")), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self.conns, 1):
-            try:
-                conn.send_bytes(data)
-            except OSError as exc:
-                raise RuntimeError(f"{self.kind} {rank} is gone ({exc})") from exc
+        for rank in range(1, self.world_size):
+            self._send_bytes(rank, data)
+
+    def send_to(self, rank: int, message: tuple) -> None:
+        """A control message to one rank (a remote stage's KV sender, remote_stages.py)."""
+        self._send_bytes(rank, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_bytes(self, rank: int, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                self.conns[rank - 1].send_bytes(data)
+        except OSError as exc:
+            raise RuntimeError(f"{self.kind} {rank} is gone ({exc})") from exc
 
     @contextlib.contextmanager
     def watch(self):
@@ -231,13 +271,17 @@ class TPExecutor:
 
     def check_alive(self) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
-            if proc.is_alive():
+            link = self._links.get(rank)
+            if proc.is_alive() and (link is None or link.error is None):
                 continue
             detail = ""
-            with contextlib.suppress(Exception):
-                if conn.poll():
-                    kind, value = pickle.loads(conn.recv_bytes())
-                    detail = f":\n{value}" if kind == "error" else ""
+            if link is not None:  # its reader owns the connection
+                detail = f": {link.error}" if link.error else ""
+            else:
+                with contextlib.suppress(Exception):
+                    if conn.poll():
+                        kind, value = pickle.loads(conn.recv_bytes())
+                        detail = f":\n{value}" if kind == "error" else ""
             raise RuntimeError(f"{self.kind} {rank} exited (exit code {proc.exitcode}){detail}")
 
     def shutdown(self) -> None:
@@ -249,6 +293,21 @@ class TPExecutor:
                 group.close()
                 setattr(self, name, None)
         torch.set_num_threads(self._threads)
+
+
+def _spawn(world_size: int, init_method: str, config: EngineConfig) -> tuple[list, list]:
+    """Ranks 1..world_size-1 as processes of this node, each on a pipe: (the pipes, the processes)."""
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    for rank in range(1, world_size):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=run_rank, args=(rank, world_size, init_method, config, theirs),
+                           name=f"pdserve-tp-rank{rank}", daemon=True)
+        proc.start()
+        theirs.close()
+        conns.append(ours)
+        procs.append(proc)
+    return conns, procs
 
 
 def _stop(conns: list, procs: list, timeout_s: float = 10.0) -> None:

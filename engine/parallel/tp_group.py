@@ -45,10 +45,11 @@ class TPGroup:
     @classmethod
     def connect(cls, rank: int, world_size: int, init_method: str, device: torch.device,
                 store: dist.TCPStore | None = None, timeout_s: float = TIMEOUT_S,
-                expert_parallel: bool = False, name: str = "tp") -> TPGroup:
+                expert_parallel: bool = False, name: str = "tp", local_host: str | None = None) -> TPGroup:
         """Join the group `name` at `init_method` (tcp://host:port of rank 0's store; rank 0 passes its store;
-        several groups share one store under their own names). Blocks until every rank has joined, or raises
-        after `timeout_s`."""
+        several groups share one store under their own names). `local_host`: this process's own address when
+        the ranks span nodes (default: the store's host, all ranks on its node). Blocks until every rank has
+        joined, or raises after `timeout_s`."""
         timeout = timedelta(seconds=timeout_s)
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         if store is None:
@@ -60,7 +61,7 @@ class TPGroup:
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host or host)]
             backend = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world_size, options)
         return cls(rank, world_size, device, backend, store, expert_parallel)
 

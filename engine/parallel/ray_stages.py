@@ -1,0 +1,123 @@
+"""Start a pipeline's other stages as Ray actors, on the nodes of the worker's placement group
+(`EngineConfig.distributed_executor_backend = "ray"`, vLLM's name for the same choice).
+
+The worker process is stage 0. Inside a placement group (pdserve serve makes one bundle per stage,
+STRICT_SPREAD: one node per stage, the stage's devices on its node) stage s runs in bundle s; outside one
+(a plain Ray cluster, tests) Ray places the actors where it likes. Each stage actor dials the first stage's
+control listener (an authenticated `multiprocessing.connection`, the key passed through Ray) and then runs
+`executor.run_rank` on that connection, as a spawned rank runs it on a pipe. The rendezvous (the TCPStore of
+the stages' group) and the listener are on the first stage's node address as Ray knows it, never loopback:
+the lesson of the multi-host fix (pdserve/ray_network.py).
+
+`StageProcess` gives the executor what it needs of a spawned process (`is_alive`, `exitcode`, `join`, `kill`)
+for an actor: a stage whose node is lost ends its `run` task, which the executor sees as the stage's death.
+Ray is imported only here, and only when this backend is chosen.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+
+ACCEPT_TIMEOUT_S = 300.0
+
+
+class StageActor:
+    """Body of a stage actor (wrapped by `ray.remote` in `launch`)."""
+
+    def node_ip(self) -> str:
+        import ray
+        return ray.util.get_node_ip_address()
+
+    def run(self, rank: int, world_size: int, init_method: str, config, address: tuple[str, int],
+            authkey: bytes) -> None:
+        from engine.parallel.executor import run_rank
+        conn = Client(address, authkey=authkey)
+        conn.send_bytes(rank.to_bytes(4, "little"))
+        run_rank(rank, world_size, init_method, config, conn, host=self.node_ip())
+
+
+class StageProcess:
+    """A stage actor as the executor watches it (the interface of a multiprocessing Process it uses)."""
+
+    def __init__(self, actor, run_ref) -> None:
+        self.actor = actor
+        self.ref = run_ref
+        self.exitcode = None
+
+    def is_alive(self) -> bool:
+        import ray
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return not ready
+
+    def join(self, timeout: float | None = None) -> None:
+        import ray
+        ray.wait([self.ref], timeout=timeout)
+
+    def kill(self) -> None:
+        import ray
+        ray.kill(self.actor, no_restart=True)
+
+
+def node_ip() -> str:
+    """This process's node address as Ray knows it."""
+    import ray
+    return ray.util.get_node_ip_address()
+
+
+def launch(world_size: int, init_method: str, config, host: str, use_gpu: bool) -> tuple[list, list]:
+    """Start stages 1..world_size-1 as actors; returns (their connections, rank order; their StageProcesses)."""
+    import ray
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    authkey = secrets.token_bytes(32)
+    listener = Listener((host, 0), authkey=authkey)
+    try:
+        group = get_current_placement_group()
+        actor_cls = ray.remote(StageActor)
+        procs = []
+        for rank in range(1, world_size):
+            options = {"num_cpus": 0 if use_gpu else 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0}
+            if group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank)
+            actor = actor_cls.options(**options).remote()
+            procs.append(StageProcess(actor, actor.run.remote(rank, world_size, init_method, config,
+                                                              listener.address, authkey)))
+        conns = _accept(listener, procs, world_size - 1)
+    finally:
+        listener.close()
+    return [conns[rank] for rank in range(1, world_size)], procs
+
+
+def _accept(listener: Listener, procs: list[StageProcess], count: int) -> dict:
+    """The stages' connections by rank, as they dial in; raises if a stage fails first or none comes in time."""
+    conns: dict[int, object] = {}
+    failure: list[BaseException] = []
+
+    def accept() -> None:
+        try:
+            while len(conns) < count:
+                conn = listener.accept()
+                conns[int.from_bytes(conn.recv_bytes(), "little")] = conn
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failure.append(exc)
+
+    thread = threading.Thread(target=accept, name="pdserve-stage-accept", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+    while len(conns) < count:
+        thread.join(0.2)
+        dead = [p for p in procs if not p.is_alive()]
+        if dead or failure or time.monotonic() > deadline:
+            detail = failure[0] if failure else f"none within {ACCEPT_TIMEOUT_S:.0f} s"
+            if dead:
+                import ray
+                try:
+                    ray.get(dead[0].ref)
+                except Exception as exc:  # noqa: BLE001 - its error is the report
+                    detail = exc
+            raise RuntimeError(f"a pipeline stage on another node did not connect: {detail}")
+    return conns
