@@ -186,6 +186,10 @@ class LLMEngine(KVViews):
                 self._ended_between_steps.append(sample)
         return True
 
+    def broken(self) -> str | None:
+        """Why this engine can never step again (a tensor-parallel rank or pipeline stage is gone), else None."""
+        return self.executor.dead if self.executor is not None else None
+
     def has_unfinished(self) -> bool:
         """True while a request runs or waits, or an ended one is still to be reported."""
         return self.scheduler.has_unfinished() or bool(self._ended_between_steps) or self._inflight is not None

@@ -37,6 +37,8 @@ class StageSender(Protocol):
 
     first_layer: int
     num_layers: int
+    bytes_moved: int
+    """Bytes its leases served, as the stage reported them."""
 
     def peer_info(self) -> dict[str, Any]: ...
 
@@ -144,8 +146,15 @@ class LayerSplitSender:
             raise
         return StagedTransfer(str(transfer_id), pieces, capability)
 
-    def stats(self) -> dict[str, int]:
-        return self.local.stats()
+    def stats(self) -> dict[str, Any]:
+        """The first stage's sender's counters, `bytes_moved` counting every stage's, and `stage_bytes_moved`:
+        (stage, its sender's host, bytes its leases served), each range's link on its own."""
+        stats = dict(self.local.stats())
+        per_stage = [(0, self.local.peer_info()["host"], stats.get("bytes_moved", 0))]
+        per_stage += [(i, s.peer_info()["host"], s.bytes_moved) for i, s in enumerate(self.stages, 1)]
+        stats["bytes_moved"] = sum(n for _, _, n in per_stage)
+        stats["stage_bytes_moved"] = per_stage
+        return stats
 
     def close(self) -> None:
         self.local.close()

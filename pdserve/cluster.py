@@ -31,6 +31,7 @@ from pdserve.cluster_config import ClusterConfig
 from pdserve.cluster_placement import NodeSlot, actor_options, free_port, pick_nodes, probe_node_slots
 from pdserve.cluster_supervisor import NodeSupervisor, WorkerSlot, least_loaded_node, supervise
 from pdserve.ray_network import init_private_ray, loopback_only_ray
+from pdserve.stage_groups import bundle_actor_options, release, reserve_stage_nodes, stage_bundles
 from pdserve.worker_actor import WORKER_START_TIMEOUT_S, WorkerProcess
 from router.config import RouterConfig
 from router.server import RouterServer, WorkersUnreachable
@@ -60,6 +61,8 @@ class RayCluster:
         self._threads = 1
         self._resources: dict = {}
         self._actor_cls = None
+        self._groups: dict = {}
+        """actor -> the placement group of a worker whose pipeline stages span nodes."""
         self._probes: dict = {}
         """actor -> its outstanding liveness probe (an `address()` call)."""
         self.members: list[tuple[str, object, str]] = []
@@ -100,9 +103,13 @@ class RayCluster:
         self._actor_cls = ray.remote(WorkerProcess)
         pending = []
         for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
-            slots = self._node_slots(role, count, self.use_gpu) if joined else [None] * count
-            for slot in slots:
-                actor = self._spawn(role, slot)
+            if self._spread(role):  # a placement group per worker: one node per pipeline stage
+                placed = [self._reserve_stages(role) for _ in range(count)]
+            else:
+                placed = [(slot, None) for slot in (self._node_slots(role, count, self.use_gpu) if joined
+                                                    else [None] * count)]
+            for slot, group in placed:
+                actor = self._spawn(role, slot, group)
                 self.actors.append(actor)
                 if slot is not None:
                     self.slots.append(WorkerSlot(role, slot.node_id, "", actor))
@@ -114,14 +121,30 @@ class RayCluster:
             if joined:
                 self.slots[i].address = address
 
-    def _spawn(self, role: str, slot: NodeSlot | None):
-        """A worker actor of `role`: on this machine (`slot` None), or pinned to the slot's node."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    def _spread(self, role: str) -> bool:
+        return self.config.pipeline_across_nodes and self.config.pipeline_parallel_size(role) > 1
+
+    def _stage_bundles(self, role: str) -> list[dict]:
+        return stage_bundles(role, self.config.pipeline_parallel_size(role), self.config.tensor_parallel_size(role),
+                             self.use_gpu, self._resources)
+
+    def _reserve_stages(self, role: str):
+        """A worker's placement group (one node per stage) and a slot on bundle 0's node: (slot, group)."""
+        import ray
+        group, node_id = reserve_stage_nodes(self._stage_bundles(role))
+        [slot] = probe_node_slots([n for n in ray.nodes() if n["NodeID"] == node_id])
+        return slot, group
+
+    def _spawn(self, role: str, slot: NodeSlot | None, group=None):
+        """A worker actor of `role`: on this machine (`slot` None), or pinned to the slot's node (in bundle 0
+        of `group`, when its pipeline stages span nodes)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         template, use_gpu = self._template, self.use_gpu
         engine = dataclasses.replace(template.engine, device="cuda" if use_gpu else template.engine.device,
                                      tensor_parallel_size=self.config.tensor_parallel_size(role),
-                                     pipeline_parallel_size=self.config.pipeline_parallel_size(role))
+                                     pipeline_parallel_size=self.config.pipeline_parallel_size(role),
+                                     distributed_executor_backend="ray" if group is not None else "mp")
         worker = dataclasses.replace(template, role=role, num_threads=self._threads, engine=engine)
         options = actor_options(role, use_gpu, self._resources, self.config.ranks(role))
         with_metrics = self.config.router.metrics_port is not None
@@ -139,10 +162,16 @@ class RayCluster:
             # other machines lack our secret file: their process env gets the secret
             options["runtime_env"] = {"env_vars": {ENV_VALUE: template.auth.read_secret().decode()}}
             worker = dataclasses.replace(worker, auth=ClusterAuthConfig())
+        if group is not None:  # the worker is stage 0, in the group's first bundle (on the slot's node)
+            options = {**bundle_actor_options(self._stage_bundles(role)[0]), "runtime_env": options["runtime_env"],
+                       "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)}
         if worker.metrics_port is not None:
             print(f"{role} worker metrics at http://{host}:{worker.metrics_port}/metrics", flush=True)
-        return self._actor_cls.options(**options, max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
-                                       name=None).remote(worker, self.config.log_level)
+        actor = self._actor_cls.options(**options, max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
+                                        name=None).remote(worker, self.config.log_level)
+        if group is not None:
+            self._groups[actor] = group
+        return actor
 
     @staticmethod
     def _node_slots(role: str, count: int, use_gpu: bool) -> list[NodeSlot]:
@@ -201,11 +230,12 @@ class RayCluster:
         ray.get(actor.drain.remote(timeout_s), timeout=timeout_s + 120)
 
     def place(self, role: str, node: dict):
-        [slot] = probe_node_slots([node], timeout_s=60)
+        """A worker of `role` on `node` (one whose stages span nodes: wherever its placement group lands)."""
+        slot, group = self._reserve_stages(role) if self._spread(role) else (probe_node_slots([node], 60)[0], None)
         with self._lock:
             if self._closed:
                 raise RuntimeError("serve is stopping")
-            actor = self._spawn(role, slot)
+            actor = self._spawn(role, slot, group)
             self.actors.append(actor)
         return actor, actor.address.remote()
 
@@ -224,6 +254,9 @@ class RayCluster:
         with self._lock:
             if actor in self.actors:
                 self.actors.remove(actor)
+            group = self._groups.pop(actor, None)
+        if group is not None:
+            release(group)
 
     def stop(self) -> None:
         import ray
@@ -238,6 +271,8 @@ class RayCluster:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 pass
+        for group in self._groups.values():
+            release(group)
         if self._started_ray:
             ray.shutdown()
 

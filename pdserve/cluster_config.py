@@ -43,6 +43,11 @@ class ClusterConfig:
     decode_pipeline_parallel_size: int | None = dataclasses.field(default=None, metadata={
         "help": "pipeline stages of each decode worker (default: --pipeline-parallel-size)"})
     """Pipeline stages of each decode worker (None: the worker template's); may differ from prefill's."""
+    pipeline_across_nodes: bool = dataclasses.field(default=False, metadata={
+        "help": "with --ray-address: each worker with pipeline stages puts one stage per node (a Ray placement "
+                "group, STRICT_SPREAD), each stage serving the KV of its layers itself"})
+    """With ray_address: a worker of K pipeline stages runs them on K nodes (pdserve/stage_groups.py;
+    tensor parallelism stays inside a node: one process per stage for now)."""
     follow_ray_nodes: bool = dataclasses.field(default=False, metadata={
         "help": "with --ray-address: run a worker per unit of pdserve_<role> each node declares, as nodes join "
                 "and leave (a RayCluster resized by `pdserve planner`)"})
@@ -92,6 +97,13 @@ class ClusterConfig:
         if self.follow_ray_nodes and (self.ray_address is None or self.planner is not None):
             raise ValueError("--follow-ray-nodes needs --ray-address, and sizes the pools by the cluster's nodes: "
                              "not with --planner (which sizes them by starting actors)")
+        if self.pipeline_across_nodes and (self.ray_address is None or self.follow_ray_nodes):
+            raise ValueError("--pipeline-across-nodes needs --ray-address (nodes to spread over), "
+                             "not with --follow-ray-nodes")
+        if self.pipeline_across_nodes and any(self.tensor_parallel_size(r) > 1 and self.pipeline_parallel_size(r) > 1
+                                              for r in ("prefill", "decode")):
+            raise ValueError("--pipeline-across-nodes runs one process per stage: tensor parallelism inside a "
+                             "stage is not supported with it yet")
         if self.planner is not None:
             for role in ("prefill", "decode"):
                 count, bounds = getattr(self, f"num_{role}"), self.planner.bounds(role)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -128,9 +129,12 @@ class PrefillLoop(EngineLoop):
     def num_requests(self) -> int:
         return super().num_requests() + len(self.leases) + len(self.pulls or ())
 
-    def extra_stats(self) -> dict[str, int]:
-        moved = self.sender.stats().get("bytes_moved", 0)
+    def extra_stats(self) -> dict[str, Any]:
+        sent = self.sender.stats()
+        moved = sent.get("bytes_moved", 0)
         stats = {**self.leases.stats(), "transfers_failed": self.leases.failed}
+        if "stage_bytes_moved" in sent:  # pipeline stages on other nodes, each its own link
+            stats["kv_stage_bytes"] = sent["stage_bytes_moved"]
         if self.pulls is not None:
             moved += self.pulls.receiver.stats().get("bytes_moved", 0)
             stats.update(self.pulls.stats.as_stats(), num_pulls=len(self.pulls))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
+from worker_runtime.errors import EngineBroken
 from worker_runtime.moe_metrics import MoeRoutingReader
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class EngineLoop(threading.Thread):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.observe_transfer_s: Callable[[float], None] = lambda seconds: None
+        self.on_broken: Callable[[str], None] = lambda reason: None
+        """Called (on the engine thread, which then ends) when the engine can never step again."""
         """Called with the duration of every finished KV transfer (metrics hook; engine thread)."""
         self.stats: dict[str, Any] = {}
         """Snapshot refreshed after every iteration; safe to read from any thread."""
@@ -112,7 +115,12 @@ class EngineLoop(threading.Thread):
             except Exception:  # keep serving: one bad step must not kill the worker silently
                 logger.exception("engine loop iteration failed")
                 self._release_held()
-                self._fail_all(RuntimeError("engine step failed; see the worker log"))
+                reason = self.engine.broken()
+                self._fail_all(EngineBroken(f"the worker's engine is broken: {reason}") if reason
+                               else RuntimeError("engine step failed; see the worker log"))
+                if reason:  # a rank or stage is gone for good: this worker must be replaced
+                    self.on_broken(reason)
+                    return
 
     def _run_commands(self) -> None:
         block = not self.engine.has_unfinished()

@@ -18,3 +18,10 @@ class Draining(WorkerError):
     """The process is shutting down and takes no new requests."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class EngineBroken(WorkerError):
+    """A tensor-parallel rank or pipeline stage of the worker is gone: the worker leaves and is replaced, and
+    the router retries or migrates what it held (UNAVAILABLE, as for a worker that died)."""
+
+    code = grpc.StatusCode.UNAVAILABLE

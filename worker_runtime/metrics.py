@@ -73,6 +73,14 @@ class WorkerStatsCollector:
             family = CounterMetricFamily(f"pdserve:{name}", doc, labels=names)
             family.add_metric(self.labels, float(stats.get(key, 0)))
             yield family
+        if stats.get("kv_stage_bytes"):
+            stages = CounterMetricFamily("pdserve:kv_transfer_stage_bytes",
+                                         "Bytes of KV each pipeline stage's own sender served (stages on other "
+                                         "nodes: each layer range over its node's link)",
+                                         labels=[*names, "stage", "host"])
+            for stage, host, nbytes in stats["kv_stage_bytes"]:
+                stages.add_metric([*self.labels, str(stage), host], float(nbytes))
+            yield stages
         if stats.get("kv_tiers"):
             yield from tier_families(stats["kv_tiers"], self.labels)
         if stats.get("moe"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +40,8 @@ from worker_runtime.servicer import WorkerServicer
 from worker_runtime.transfer_sides import open_sides
 
 logger = logging.getLogger(__name__)
+BROKEN_EXIT_GRACE_S = 2.0
+BROKEN_EXIT_CODE = 75  # EX_TEMPFAIL: start again
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
@@ -80,6 +84,7 @@ class WorkerServer:
         kv_config = dataclasses.replace(config.kv_transfer, auth_key=keys.kv if keys else None, tls=kv_tls)
         self._transfer_side = await aio.run_in_executor(None, open_sides, kv_cache, layout, kv_config, stages)
         self._loop_thread = self.role.make_loop(self.engine, aio, self._transfer_side, config)
+        self._loop_thread.on_broken = lambda reason: aio.call_soon_threadsafe(self._broken, reason)
         kv_events = self._loop_thread.kv_events = KvEventLog(self.engine, aio)
         self._loop_thread.start()
         auth = ClusterAuthServerInterceptor(keys.grpc) if keys else None
@@ -118,6 +123,16 @@ class WorkerServer:
         logger.info("%s worker serving at %s (kv_transfer %s, metrics port %s)", config.role, self.address,
                     self._servicer.backend, self.metrics_port)
         return self.address
+
+    def _broken(self, reason: str) -> None:
+        """The engine can never step again (a rank or pipeline stage is gone; its requests already failed
+        UNAVAILABLE): stop serving, then end this process after a moment (the failures reach their callers), so
+        what supervises it (Ray restarts the actor, Kubernetes the pod) starts a fresh worker."""
+        logger.critical("%s worker %s: %s; exiting to be replaced", self.config.role, self.address, reason)
+        self._serving = False
+        if self._health is not None:
+            asyncio.ensure_future(set_serving(self._health, [SERVICE], False))
+        threading.Timer(BROKEN_EXIT_GRACE_S, os._exit, (BROKEN_EXIT_CODE,)).start()
 
     def _ready(self) -> bool:
         return self._serving

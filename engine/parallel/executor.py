@@ -186,6 +186,8 @@ class TPExecutor:
         self._links: dict[int, RemoteStage] = {}
         self._stage_layers = stage_layers(num_layers, config.pipeline_parallel_size, config.pp_layer_partition)
         self._kv_mappings: list = []
+        self.dead: str | None = None
+        """Why a rank is gone, once one is: the engine cannot step again (the worker must be replaced)."""
         self._send_lock = threading.Lock()
         self._threads = torch.get_num_threads()
         device = torch.device(rank_device(config.device, 0))
@@ -270,6 +272,14 @@ class TPExecutor:
             raise
 
     def check_alive(self) -> None:
+        """Raise RuntimeError naming the first rank that is gone (and remember it: `dead`)."""
+        try:
+            self._check_alive()
+        except RuntimeError as exc:
+            self.dead = self.dead or str(exc)
+            raise
+
+    def _check_alive(self) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
             link = self._links.get(rank)
             if proc.is_alive() and (link is None or link.error is None):

@@ -156,6 +156,8 @@ class RemoteStage:
         self._opened = threading.Event()
         self.error: str | None = None
         """Why the stage is gone (its traceback, or the connection closing); None while it runs."""
+        self.bytes_moved = 0
+        """Bytes the stage's sender served for the leases that ended (as it reports them)."""
         self._reader = threading.Thread(target=self._read, name=f"pdserve-stage{rank}-reader", daemon=True)
         self._reader.start()
 
@@ -195,6 +197,7 @@ class RemoteStage:
                     transfer_id, state, error, nbytes = args
                     with self._lock:
                         lease = self._leases.pop(transfer_id, None)
+                    self.bytes_moved += nbytes
                     if lease is not None:
                         lease.finish(TransferState(state), error, nbytes)
                 elif kind == "sender":

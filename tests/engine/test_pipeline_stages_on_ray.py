@@ -17,7 +17,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVLayout, KVTransferConfig, TransferState
-from tests.engine.test_pipeline_parallel import GREEDY, SEEDED, tiny_qwen2_4l_dir  # noqa: F401 - a fixture
+from tests.engine.test_pipeline_parallel import GREEDY, SEEDED
 from tests.engine.test_tensor_parallel import tiny_prompts
 from worker_runtime.transfer_sides import open_sides
 
