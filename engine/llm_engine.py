@@ -187,8 +187,15 @@ class LLMEngine(KVViews):
         return True
 
     def broken(self) -> str | None:
-        """Why this engine can never step again (a tensor-parallel rank or pipeline stage is gone), else None."""
-        return self.executor.dead if self.executor is not None else None
+        """Why this engine can never step again (a tensor-parallel rank or pipeline stage is gone), else None.
+        Looks at the other ranks now (an idle engine learns of a lost one without a step)."""
+        if self.executor is None:
+            return None
+        try:
+            self.executor.check_alive()
+        except RuntimeError:
+            pass
+        return self.executor.dead
 
     def has_unfinished(self) -> bool:
         """True while a request runs or waits, or an ended one is still to be reported."""

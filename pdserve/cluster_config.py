@@ -104,6 +104,9 @@ class ClusterConfig:
                                               for r in ("prefill", "decode")):
             raise ValueError("--pipeline-across-nodes runs one process per stage: tensor parallelism inside a "
                              "stage is not supported with it yet")
+        if self.pipeline_across_nodes and self.pipeline_parallel_size("decode") > 1 and self.num_prefill:
+            raise ValueError("--pipeline-across-nodes: decode workers whose stages run on other nodes cannot receive "
+                             "a prefill worker's KV yet; give them --decode-pipeline-parallel-size 1")
         if self.planner is not None:
             for role in ("prefill", "decode"):
                 count, bounds = getattr(self, f"num_{role}"), self.planner.bounds(role)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from worker_runtime.kv_leases import KVLeases
 
 logger = logging.getLogger(__name__)
+BROKEN_CHECK_S = 1.0
+"""How often an idle loop looks for a lost rank or pipeline stage (`LLMEngine.broken`)."""
 
 Sink = Callable[[Any], None]
 """Receives a request's SampleDeltas, or an exception that ends it (called on the asyncio loop)."""
@@ -97,9 +100,15 @@ class EngineLoop(threading.Thread):
 
     # ---- engine thread --------------------------------------------------
     def run(self) -> None:
+        checked = time.monotonic()
         while not self._stopping.is_set():
             try:
                 self._run_commands()
+                if not self.engine.has_unfinished() and time.monotonic() - checked > BROKEN_CHECK_S:
+                    checked = time.monotonic()
+                    if reason := self.engine.broken():  # idle, yet a rank or stage is gone: leave now
+                        self.on_broken(reason)
+                        return
                 self.poll()
                 if self.engine.has_unfinished():
                     # What the step emits reaches callers only once its stats are published (below): a

@@ -81,10 +81,13 @@ def test_stages_on_ray_equal_one_process_and_serve_their_own_kv(local_ray, tiny_
             pulled.close()
         torch.testing.assert_close(dst[blocks], one.runner.kv_cache[expected_blocks], rtol=0, atol=1e-5)
 
-        # The stage's node is lost: a lease it holds fails, and the next step says which stage is gone.
+        # The stage's node is lost: a lease it holds fails, the idle engine says it is broken (naming the stage),
+        # and so does the next step.
         lease = sides.sender.expect("q", blocks, timeout_s=30)
+        assert staged.broken() is None
         local_ray.kill(staged.executor.procs[0].actor, no_restart=True)
         assert lease.wait(30) == TransferState.FAILED
+        assert "pipeline stage 1" in staged.broken()
         with pytest.raises(RuntimeError, match="pipeline stage 1"):
             run(staged, prompt, [GREEDY])
     finally:

@@ -359,3 +359,24 @@ def test_pipeline_stages_reach_each_pool_and_need_a_gpu_per_rank_of_every_stage(
                                          r"prefill.resources.limits nvidia.com/gpu >= 4 \(one GPU per rank\), got 2"):
         template(*shape[:4], "--set-string", r"prefill.resources.limits.nvidia\.com/gpu=2")
     assert_schema_refuses("decode.pipelineParallelSize=0", "at '/decode/pipelineParallelSize'")
+
+
+def test_pipeline_across_nodes_runs_a_pod_per_stage_in_the_pools_ray_group():
+    stages = ("--set", "mode=raycluster", "--set", "ray.pipelineAcrossNodes=true", "--set", "prefill.replicas=2",
+              "--set", "prefill.pipelineParallelSize=3")
+    ray = template(*stages)
+    assert "--pipeline-across-nodes" in ray and "--prefill-pipeline-parallel-size 3\n" in ray
+    [cluster] = by_kind(objects(ray), "RayCluster")
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert (groups["prefill"]["replicas"], groups["prefill"]["maxReplicas"]) == (6, 6)  # 2 workers x 3 stage pods
+    assert groups["decode"]["replicas"] == 1  # one stage: one pod per worker
+    # each stage pod holds one stage: one GPU per pod is enough, tensor parallelism inside a stage is refused
+    gpu = ("--set", "model.device=cuda", "--set-string", r"prefill.resources.limits.nvidia\.com/gpu=1")
+    template(*stages, *gpu)
+    with pytest.raises(ValueError, match="prefill.tensorParallelSize must be 1"):
+        template(*stages, "--set", "prefill.tensorParallelSize=2")
+    with pytest.raises(ValueError, match="decode.pipelineParallelSize must be 1"):
+        template(*stages, "--set", "decode.pipelineParallelSize=2")
+    with pytest.raises(ValueError, match="ray.pipelineAcrossNodes needs mode=raycluster"):
+        template("--set", "ray.pipelineAcrossNodes=true")
+    assert "--pipeline-across-nodes" not in template("--set", "mode=raycluster")

@@ -32,6 +32,8 @@ class RayHosts:
     """Environment of every Ray process and client (the cluster's auth token)."""
     temp: str
     """Every Ray node's temp dir lies below it (short: Ray's socket paths live there)."""
+    pools: dict = dataclasses.field(default_factory=lambda: dict(POOLS))
+    """host -> the pool its Ray node declares (`pdserve_<pool>`); a host not in it declares none."""
 
     @property
     def head(self) -> str:
@@ -71,26 +73,28 @@ class RayHosts:
         assert proc.wait() == 0, "".join(output[-30:])
 
     def _start_node(self, host: int, temp_dir: str):
+        resources = ["--resources", json.dumps({f"pdserve_{self.pools[host]}": 4})] if host in self.pools else []
         if host == 1:
             argv = [RAY, "start", "--head", "--node-ip-address", self.head, "--port", str(HEAD_PORT),
-                    "--num-cpus", "1", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir]
+                    "--num-cpus", "1", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir,
+                    *resources]
         else:
             argv = [RAY, "start", "--address", f"{self.head}:{HEAD_PORT}", "--node-ip-address",
-                    self.hosts.addresses[host - 1], "--num-cpus", "2",
-                    "--resources", json.dumps({f"pdserve_{POOLS[host]}": 4}),
+                    self.hosts.addresses[host - 1], "--num-cpus", "2", *resources,
                     "--disable-usage-stats", "--temp-dir", temp_dir]
         return self.hosts.run(host, argv, timeout=180, env=self.env, capture_output=True, text=True)
 
 
 @contextlib.contextmanager
-def ray_cluster(**env: str):
-    """Three hosts with a Ray node each (RayHosts.start_node), torn down on exit; `env` is added to the
+def ray_cluster(pools: dict | None = None, tag_offset: int = 0, **env: str):
+    """Three hosts with a Ray node each (RayHosts.start_node), torn down on exit; `pools`: what each host's node
+    declares (default POOLS), `tag_offset`: a cluster beside the package's (netns.Hosts); `env` is added to the
     environment of every Ray process and client."""
-    hosts = Hosts(3)
+    hosts = Hosts(3, tag_offset)
     temp = tempfile.mkdtemp(prefix="pdmh", dir="/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
                RAY_raylet_start_wait_time_s="120", **env)  # the GCS's wait for a raylet: a busy machine is slow
-    cluster = RayHosts(hosts, env, temp)
+    cluster = RayHosts(hosts, env, temp, dict(POOLS if pools is None else pools))
     try:
         for host in (1, 2, 3):
             cluster.start_node(host, attempts=2)

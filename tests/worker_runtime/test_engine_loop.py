@@ -1,7 +1,8 @@
 """The asyncio <-> engine-thread bridge (worker_runtime/engine_loop.py) with a fake engine: no model, no
 process. What is checked: `call` runs on the engine thread and hands back results and exceptions; a step's
 deltas reach their sinks on the asyncio loop only after that step's stats are published; a step that raises
-fails every open request (and aborts it in the engine) while the thread keeps serving."""
+fails every open request (and aborts it in the engine) while the thread keeps serving; a broken engine (a lost
+rank or pipeline stage) fails its requests UNAVAILABLE and ends the loop through `on_broken`, idle or not."""
 import asyncio
 import threading
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 
 from engine.outputs import SampleDelta
 from worker_runtime.engine_loop import EngineLoop
+from worker_runtime.errors import EngineBroken
 
 
 class FakeEngine:
@@ -25,6 +27,11 @@ class FakeEngine:
         self.num_kv_blocks_total, self.num_kv_blocks_used = 10, 0
         self.num_spec_draft_tokens = self.num_spec_accepted_tokens = 0
         self.steps = 0
+        self.lost: str | None = None
+        """What `broken` says: set, a rank is gone."""
+
+    def broken(self) -> str | None:
+        return self.lost
 
     def has_unfinished(self) -> bool:
         return bool(self.script)
@@ -118,3 +125,33 @@ def test_a_failing_step_fails_the_open_requests_and_the_loop_keeps_serving():
     ended, aborted, alive = asyncio.run(run_with_loop(body))
     assert all(isinstance(item, RuntimeError) for item in ended.values()) and set(ended) == {"a", "b"}
     assert sorted(aborted) == ["a", "b"] and alive == "still serving"
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["in-a-step", "idle"])
+def test_a_broken_engine_fails_its_requests_unavailable_and_the_loop_hands_over(idle, monkeypatch):
+    monkeypatch.setattr("worker_runtime.engine_loop.BROKEN_CHECK_S", 0.0)
+
+    async def body(engine, loop):
+        aio = asyncio.get_running_loop()
+        reported = aio.create_future()
+        loop.on_broken = lambda reason: aio.call_soon_threadsafe(reported.set_result, reason)
+        ended = aio.create_future()
+
+        def add():
+            if idle:
+                engine.lost = "pipeline stage 1 exited"
+                return
+            loop.add_sink("a", lambda item: ended.set_result(item))
+            engine.lost = "pipeline stage 1 exited"
+            engine.script.append(RuntimeError("Connection reset by peer"))
+
+        await loop.call(add)
+        reason = await reported
+        loop.join(10)
+        return reason, None if idle else await ended, loop.is_alive()
+
+    reason, item, alive = asyncio.run(run_with_loop(body))
+    assert reason == "pipeline stage 1 exited" and not alive
+    if not idle:
+        assert isinstance(item, EngineBroken) and "pipeline stage 1 exited" in str(item)
+        assert item.code.name == "UNAVAILABLE"

@@ -518,11 +518,16 @@ matchExpressions:
 {{- end -}}
 {{- end -}}
 
-{{/* A CUDA worker of tensor-parallel size N and P pipeline stages needs N x P GPUs in its pod (one per rank). */}}
+{{/* A CUDA worker of tensor-parallel size N and P pipeline stages needs N x P GPUs in its pod (one per rank);
+     with ray.pipelineAcrossNodes (raycluster mode) each stage has a pod of its own: N GPUs in each, N = 1. */}}
 {{- define "pdserve.checkTensorParallel" -}}
 {{- $w := index .root.Values .role -}}
 {{- $gpus := int (index ($w.resources.limits | default dict) "nvidia.com/gpu" | default 0) -}}
-{{- $ranks := mul (int $w.tensorParallelSize) (int ($w.pipelineParallelSize | default 1)) -}}
+{{- $across := include "pdserve.stagePods" . | int -}}
+{{- if and (gt $across 1) (gt (int $w.tensorParallelSize) 1) -}}
+{{- fail (printf "ray.pipelineAcrossNodes runs one process per stage: %s.tensorParallelSize must be 1, got %d" .role (int $w.tensorParallelSize)) -}}
+{{- end -}}
+{{- $ranks := ternary (int $w.tensorParallelSize) (mul (int $w.tensorParallelSize) (int ($w.pipelineParallelSize | default 1))) (gt $across 1) -}}
 {{- if and (eq .root.Values.model.device "cuda") (lt $gpus $ranks) -}}
 {{- fail (printf "%s.tensorParallelSize=%d x pipelineParallelSize=%d needs %s.resources.limits nvidia.com/gpu >= %d (one GPU per rank), got %d" .role (int $w.tensorParallelSize) (int ($w.pipelineParallelSize | default 1)) .role $ranks $gpus) -}}
 {{- end -}}
@@ -607,5 +612,32 @@ matchExpressions:
 {{- define "pdserve.checkRayKvOffload" -}}
 {{- if ne (include "pdserve.kvOffloadArgs" (dict "root" . "role" "prefill")) (include "pdserve.kvOffloadArgs" (dict "root" . "role" "decode")) -}}
 {{- fail "mode=raycluster: `pdserve serve` gives both pools the same engine flags, so prefill.kvOffload and decode.kvOffload must ask for the same tiers (cpuGiB, disk.enabled, disk.sizeGiB)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pods one worker of a pool spans: its pipeline stages with ray.pipelineAcrossNodes in raycluster mode, else 1.
+     Takes (dict "root" $ "role" "prefill"). */}}
+{{- define "pdserve.stagePods" -}}
+{{- $w := index .root.Values .role -}}
+{{- if and .root.Values.ray.pipelineAcrossNodes (eq .root.Values.mode "raycluster") -}}
+{{- $w.pipelineParallelSize | default 1 -}}
+{{- else -}}
+1
+{{- end -}}
+{{- end -}}
+
+{{/* ray.pipelineAcrossNodes: only where Ray places the stages (raycluster mode), and not with the planner (which
+     sizes the groups a pod per worker). */}}
+{{- define "pdserve.checkPipelineAcrossNodes" -}}
+{{- if .Values.ray.pipelineAcrossNodes -}}
+{{- if ne .Values.mode "raycluster" -}}
+{{- fail "ray.pipelineAcrossNodes needs mode=raycluster (Ray places one stage per pod)" -}}
+{{- end -}}
+{{- if .Values.planner.enabled -}}
+{{- fail "ray.pipelineAcrossNodes is not supported with planner.enabled yet (the planner sizes a pod per worker)" -}}
+{{- end -}}
+{{- if and (gt (int (.Values.decode.pipelineParallelSize | default 1)) 1) (gt (int .Values.prefill.replicas) 0) -}}
+{{- fail "ray.pipelineAcrossNodes: decode workers whose stages run on other pods cannot receive KV yet: decode.pipelineParallelSize must be 1" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
