@@ -15,11 +15,13 @@ Ray is imported only here, and only when this backend is chosen.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 from multiprocessing.connection import Client, Listener
 
+logger = logging.getLogger(__name__)
 ACCEPT_TIMEOUT_S = 300.0
 
 
@@ -67,39 +69,47 @@ def node_ip() -> str:
 
 
 def launch(world_size: int, init_method: str, config, host: str, use_gpu: bool) -> tuple[list, list]:
-    """Start stages 1..world_size-1 as actors; returns (their connections, rank order; their StageProcesses)."""
+    """Start stages 1..world_size-1 as actors; returns (their connections, rank order; their StageProcesses).
+    A stage actor that dies before it connects because its node went away (Ray had not yet seen the node die
+    when it placed it there) is started again, in its bundle, until it connects or ACCEPT_TIMEOUT_S passes: so a
+    worker restarted after losing a stage waits for the stage's node to return. A stage that fails by itself
+    (its `run` raised) fails the launch at once."""
     import ray
     from ray.util import get_current_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     authkey = secrets.token_bytes(32)
     listener = Listener((host, 0), authkey=authkey)
+    group = get_current_placement_group()
+    actor_cls = ray.remote(StageActor)
+
+    def start(rank: int) -> StageProcess:
+        options = {"num_cpus": 0 if use_gpu else 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0}
+        if group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=rank)
+        actor = actor_cls.options(**options).remote()
+        return StageProcess(actor, actor.run.remote(rank, world_size, init_method, config, listener.address, authkey))
+
     try:
-        group = get_current_placement_group()
-        actor_cls = ray.remote(StageActor)
-        procs = []
-        for rank in range(1, world_size):
-            options = {"num_cpus": 0 if use_gpu else 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0}
-            if group is not None:
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=rank)
-            actor = actor_cls.options(**options).remote()
-            procs.append(StageProcess(actor, actor.run.remote(rank, world_size, init_method, config,
-                                                              listener.address, authkey)))
-        conns = _accept(listener, procs, world_size - 1)
+        procs = {rank: start(rank) for rank in range(1, world_size)}
+        conns = _accept(listener, procs, start)
     finally:
         listener.close()
-    return [conns[rank] for rank in range(1, world_size)], procs
+    return [conns[rank] for rank in range(1, world_size)], [procs[rank] for rank in range(1, world_size)]
 
 
-def _accept(listener: Listener, procs: list[StageProcess], count: int) -> dict:
-    """The stages' connections by rank, as they dial in; raises if a stage fails first or none comes in time."""
+def _accept(listener: Listener, procs: dict[int, StageProcess], start) -> dict:
+    """The stages' connections by rank, as they dial in (a stage lost with its node is started again)."""
+    import ray
+    from ray.exceptions import RayTaskError
+
     conns: dict[int, object] = {}
     failure: list[BaseException] = []
 
     def accept() -> None:
         try:
-            while len(conns) < count:
+            while len(conns) < len(procs):
                 conn = listener.accept()
                 conns[int.from_bytes(conn.recv_bytes(), "little")] = conn
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -108,16 +118,20 @@ def _accept(listener: Listener, procs: list[StageProcess], count: int) -> dict:
     thread = threading.Thread(target=accept, name="pdserve-stage-accept", daemon=True)
     thread.start()
     deadline = time.monotonic() + ACCEPT_TIMEOUT_S
-    while len(conns) < count:
+    while len(conns) < len(procs):
         thread.join(0.2)
-        dead = [p for p in procs if not p.is_alive()]
-        if dead or failure or time.monotonic() > deadline:
-            detail = failure[0] if failure else f"none within {ACCEPT_TIMEOUT_S:.0f} s"
-            if dead:
-                import ray
-                try:
-                    ray.get(dead[0].ref)
-                except Exception as exc:  # noqa: BLE001 - its error is the report
-                    detail = exc
-            raise RuntimeError(f"a pipeline stage on another node did not connect: {detail}")
+        for rank, proc in list(procs.items()):
+            if rank in conns or proc.is_alive():
+                continue
+            try:
+                ray.get(proc.ref)
+            except RayTaskError as exc:  # the stage itself failed (its model, its device): no point retrying
+                raise RuntimeError(f"pipeline stage {rank} failed before it connected: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - its actor or node is gone: start it again
+                logger.warning("pipeline stage %d was lost before it connected (%s); starting it again", rank,
+                               type(exc).__name__)
+            procs[rank] = start(rank)
+        if failure or time.monotonic() > deadline:
+            detail = failure[0] if failure else f"not all within {ACCEPT_TIMEOUT_S:.0f} s"
+            raise RuntimeError(f"pipeline stages on other nodes did not connect: {detail}")
     return conns
