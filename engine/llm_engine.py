@@ -28,10 +28,10 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_views import KVViews
 from engine.model.model_config import ModelConfig
 from engine.model_files import resolve_model_path
-from engine.outputs import CompletionCollector, RequestOutput, SampleDelta
+from engine.outputs import RequestOutput, SampleDelta, generate_all
 from engine.parallel.executor import build_runner
 from engine.request import FinishReason, Request
-from engine.sample_state import SampleState, grammar_verdict, sample_context, stop_reason
+from engine.sample_state import SampleState, grammar_verdict, sample_context, stop_reason, whole_logit_rows
 from engine.sampler import SampledToken, Sampler, SampleRow, SpecRow
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
@@ -189,13 +189,7 @@ class LLMEngine(KVViews):
     def broken(self) -> str | None:
         """Why this engine can never step again (a tensor-parallel rank or pipeline stage is gone), else None.
         Looks at the other ranks now (an idle engine learns of a lost one without a step)."""
-        if self.executor is None:
-            return None
-        try:
-            self.executor.check_alive()
-        except RuntimeError:
-            pass
-        return self.executor.dead
+        return self.executor.broken() if self.executor is not None else None
 
     def has_unfinished(self) -> bool:
         """True while a request runs or waits, or an ended one is still to be reported."""
@@ -243,7 +237,8 @@ class LLMEngine(KVViews):
                 job_of[item.request.request_id] = len(jobs)
                 jobs.append((grammar, item.spec_token_ids))
         masks = self.step_masks.start(jobs)  # filled while the model runs
-        logits = self.runner.execute(out, self.kv)
+        whole = whole_logit_rows(plan, self._samples, self._suppressed) if self.runner.stage is not None else None
+        logits = self.runner.execute(out, self.kv, whole)
         self.scheduler.finish_step(out)
         self.num_steps += 1
         rows, owners, spec_rows, spec_owners, prompt_rows = [], [], [], [], []
@@ -398,14 +393,4 @@ class LLMEngine(KVViews):
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  request_ids: list[str] | None = None) -> list[RequestOutput]:
         """Submit all prompts together and run until the engine is idle; return their outputs."""
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        request_ids = request_ids or [str(i) for i in range(len(prompts))]
-        for rid, prompt, p in zip(request_ids, prompts, params, strict=True):
-            self.add_request(rid, prompt, p)
-        collector = CompletionCollector()
-        while self.has_unfinished():
-            for d in self.step():
-                collector.add(d)
-        return [RequestOutput(rid, list(prompt), collector.completions(rid), collector.cached_tokens.get(rid, 0))
-                for rid, prompt in zip(request_ids, prompts, strict=True)]
+        return generate_all(self, prompts, params, request_ids)

@@ -143,9 +143,10 @@ class ModelRunner:
         return self._forward(token_ids.to(dev), positions, cache, meta, rows.to(dev))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, whole_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; return logits in scheduled order: one row per sampling request, 1 + K rows for a
-        request verifying K proposed tokens."""
+        request verifying K proposed tokens. `whole_rows` (pipeline parallelism): per row, whether the sampler
+        reads more than its argmax; the other rows come back as -inf but 0 at the argmax (only it crosses)."""
         self._copy_blocks(out.block_copies)
         if self.varlen is not None:
             step = self.varlen.build(out, kv)
@@ -157,21 +158,22 @@ class ModelRunner:
         inputs = step.input_ids, step.positions, step.meta, step.logits_indices
         input_ids, positions, meta, logits_indices = inputs
         if self.peers is not None:
-            self.peers.send(("step", out.block_copies, *inputs))
+            self.peers.send(("step", out.block_copies, *inputs, whole_rows))
             with self.peers.watch():
-                return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+                return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices, whole_rows)
         return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
 
     @torch.inference_mode()
-    def run_step(self, block_copies, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+    def run_step(self, block_copies, input_ids, positions, meta, logits_indices, whole_rows=None) -> torch.Tensor:
         """Another rank's (or pipeline stage's) share of rank 0's step: the same block copies and inputs."""
         self._copy_blocks(block_copies)
-        return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+        return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices, whole_rows)
 
-    def _forward(self, input_ids, positions, kv_cache, meta, logits_indices) -> torch.Tensor:
+    def _forward(self, input_ids, positions, kv_cache, meta, logits_indices, whole_rows=None) -> torch.Tensor:
         """The model's forward; on a pipeline stage its part of it: the hidden states from the stage before
         (none on the first), its layers, then on to the next stage, the last one's logits back to the first
-        (which returns them; the other stages return what they sent)."""
+        (which returns them; the other stages return what they sent). Of the logits only the argmax crosses for
+        the rows `whole_rows` leaves out (None: every row whole)."""
         stage = self.stage
         if stage is None:
             return self.model.forward(input_ids, positions, kv_cache, meta, logits_indices)
@@ -183,9 +185,9 @@ class ModelRunner:
         if not stage.is_last:
             stage.send(out, stage.rank + 1)
         elif not stage.is_first:
-            stage.send(out, 0)
+            stage.send_logits(out, whole_rows)
         if stage.is_first and not stage.is_last:  # the logits of the sampled rows
-            return stage.recv(stage.size - 1, (logits_indices.shape[0], config.vocab_size), dtype, self.device)
+            return stage.recv_logits((logits_indices.shape[0], config.vocab_size), whole_rows, dtype, self.device)
         return out
 
     def kv_shards(self) -> list[torch.Tensor]:

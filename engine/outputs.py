@@ -74,3 +74,19 @@ class CompletionCollector:
 
     def completions(self, request_id: str) -> list[Completion]:
         return [c for _, c in sorted(self._completions.get(request_id, {}).items())]
+
+
+def generate_all(engine, prompts: list[list[int]], params, request_ids: list[str] | None = None) -> list[RequestOutput]:
+    """`LLMEngine.generate`: submit every prompt (one SamplingParams or one per prompt), step until the engine is
+    idle, and return the outputs in prompt order."""
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
+    request_ids = request_ids or [str(i) for i in range(len(prompts))]
+    for rid, prompt, p in zip(request_ids, prompts, params, strict=True):
+        engine.add_request(rid, prompt, p)
+    collector = CompletionCollector()
+    while engine.has_unfinished():
+        for d in engine.step():
+            collector.add(d)
+    return [RequestOutput(rid, list(prompt), collector.completions(rid), collector.cached_tokens.get(rid, 0))
+            for rid, prompt in zip(request_ids, prompts, strict=True)]

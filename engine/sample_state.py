@@ -80,3 +80,19 @@ def stop_reason(request: Request, token_id: int, stop_string: str | None, eos_to
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def whole_logit_rows(plan, samples: dict, suppressed) -> torch.Tensor:
+    """Per row of a step's logits (`plan`: the engine's (item, samples, num_logits, start) per scheduled item):
+    whether sampling reads more of the row than its argmax. Only a plain greedy row does not (no logprobs,
+    grammar, penalties or bias, suppressed ids, proposed tokens or forks); a pipeline's last stage sends the
+    other rows whole and of it only the argmax."""
+    whole = []
+    for item, sampling, num_logits, _ in plan:
+        request = item.request
+        sample = samples.get(request.request_id)
+        plain = bool(sampling) and sample is not None and request.params.greedy \
+            and request.params.logprobs is None and sample.grammar is None and sample.context is None \
+            and not item.spec_token_ids and not request.pending_forks and not suppressed(request)
+        whole += [True] * (num_logits - 1) + [not plain] if num_logits else []
+    return torch.tensor(whole, dtype=torch.bool)

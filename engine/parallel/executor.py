@@ -271,6 +271,12 @@ class TPExecutor:
                 time.sleep(0.1)
             raise
 
+    def broken(self) -> str | None:
+        """Why a rank is gone, looking now (None: every rank runs)."""
+        with contextlib.suppress(RuntimeError):
+            self.check_alive()
+        return self.dead
+
     def check_alive(self) -> None:
         """Raise RuntimeError naming the first rank that is gone (and remember it: `dead`)."""
         try:

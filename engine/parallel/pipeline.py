@@ -8,7 +8,9 @@ those layers only, for the same block ids (one block table, kept by the schedule
 One step, for every stage at once: stage 0 hands the step's inputs to every stage (the executor's pipes,
 as for tensor parallelism); then stage s runs its layers on the hidden states stage s-1 sent it (stage 0
 on the embedded tokens) and sends the residual stream [tokens, hidden] to stage s+1; the last stage sends
-the logits of the sampled rows back to stage 0, which samples. The tensors go point to point over the
+the logits of the sampled rows back to stage 0, which samples: whole where the sampler reads more than the
+argmax (random sampling, logprobs, penalties, grammars), else the argmax alone (`send_logits`), so a greedy
+decode row crosses as 8 bytes instead of vocab x dtype. The tensors go point to point over the
 group (`PipelineStage.send` / `recv`: gloo on CPU, NCCL on CUDA).
 
 Pure functions and a thin wrapper over the group: no processes are started here (executor.py does).
@@ -73,6 +75,29 @@ class PipelineStage:
         nothing has no logits). No shape travels: on CUDA reading one would sync the stream every step."""
         if x.numel():
             self.group.send(x.contiguous(), dst)
+
+    def send_logits(self, logits: torch.Tensor, whole_rows: torch.Tensor | None) -> None:
+        """The last stage's logits to the first: the argmax of every row, then the rows `whole_rows` marks (the
+        sampler reads more of them than the argmax). A greedy decode row costs 8 bytes, not vocab x dtype."""
+        if whole_rows is None:
+            return self.send(logits, 0)
+        self.send(logits.argmax(dim=-1), 0)
+        self.send(logits[whole_rows.to(logits.device)], 0)
+
+    def recv_logits(self, shape: tuple[int, int], whole_rows: torch.Tensor | None, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+        """What `send_logits` sent, as logits of `shape`: the whole rows as computed, the others -inf but 0 at
+        their argmax (the same argmax, so the same greedy token)."""
+        src = self.size - 1
+        if whole_rows is None:
+            return self.recv(src, shape, dtype, device)
+        argmax = self.recv(src, (shape[0],), torch.int64, device)
+        whole = whole_rows.to(device)
+        rows = self.recv(src, (int(whole_rows.sum()), shape[1]), dtype, device)
+        logits = torch.full(shape, float("-inf"), dtype=dtype, device=device)
+        logits[torch.arange(shape[0], device=device), argmax] = 0.0
+        logits[whole] = rows
+        return logits
 
     def recv(self, src: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tensor of `shape` stage `src` sends next."""

@@ -115,3 +115,47 @@ def test_cli_flags_reach_the_engine_config():
                                                         "1, 3"]))
     assert (config.pipeline_parallel_size, config.pp_layer_partition) == (2, (1, 3))
     assert engine_config_from_args(parser.parse_args([])).pipeline_parallel_size == 1
+
+
+def test_only_the_argmax_of_plain_greedy_rows_crosses_from_the_last_stage(tiny_qwen2_4l_dir):
+    """Logprobs, prompt logprobs, penalties and seeded rows need their whole logits; the argmax of a plain greedy
+    row is enough. Both kinds in one batch equal one process: tokens and the logprobs reported."""
+    import torch
+
+    from engine.sample_state import whole_logit_rows
+    prompts = tiny_prompts()[:5]
+    params = [GREEDY, SEEDED, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)]
+    outputs = []
+    for pp in (1, 2):
+        engine = LLMEngine(EngineConfig(model=str(tiny_qwen2_4l_dir), dtype="float32", pipeline_parallel_size=pp))
+        try:
+            outputs.append(engine.generate(prompts, params))
+        finally:
+            engine.shutdown()
+    for one, staged in zip(*outputs, strict=True):
+        [a], [b] = one.completions, staged.completions
+        assert a.token_ids == b.token_ids
+        assert close(a.logprobs, b.logprobs) and close(a.prompt_logprobs, b.prompt_logprobs)
+    assert outputs[1][2].completions[0].logprobs and outputs[1][3].completions[0].prompt_logprobs
+    # The rows: a chunk without sampling, plain greedy, and a row wanting logprobs.
+    item = lambda rid, spec=(): argparse.Namespace(  # noqa: E731
+        request=argparse.Namespace(request_id=rid, params=params[0] if rid != "lp" else params[2],
+                                   pending_forks=0), spec_token_ids=list(spec))
+    sample = argparse.Namespace(grammar=None, context=None)
+    plan = [(item("chunk"), [], 0, 0), (item("g"), [sample], 1, 0), (item("lp"), [sample], 1, 0),
+            (item("spec", [5, 6]), [sample], 3, 0)]
+    rows = whole_logit_rows(plan, {"g": sample, "lp": sample, "spec": sample}, lambda request: [])
+    assert rows.tolist() == [False, True, True, True, True] and rows.dtype == torch.bool
+
+
+def close(x, y) -> bool:
+    """Equal structures, floats within 1e-4 (logprobs of two processes' float32 sums)."""
+    if isinstance(x, float) or isinstance(y, float):
+        return isinstance(x, int | float) and isinstance(y, int | float) and abs(x - y) < 1e-4
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(close(x[k], y[k]) for k in x)
+    if isinstance(x, list):
+        return isinstance(y, list) and len(x) == len(y) and all(close(a, b) for a, b in zip(x, y, strict=True))
+    return x == y
