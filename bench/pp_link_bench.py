@@ -5,9 +5,10 @@ the same link would all-reduce.
 Two network namespaces on a bridge (tests/multihost/netns.py) are two 1-core hosts, each a Ray node. A STRICT_SPREAD
 placement group puts a benchmark actor on host 1; it runs the engine with one stage there and, with PP=2, the
 other stage as a Ray actor on host 2 (`distributed_executor_backend="ray"`, what `serve --pipeline-across-nodes`
-runs). Each link profile shapes both veth ends with `tbf` (rate only). Per profile and shape: a batch of decode
-sequences, tokens/s and the median/p99 inter-token latency; the bytes host 2 sent per decode step (veth counters)
-and the model of what crosses (hidden states [tokens, hidden] one way, the sampled rows' logits back); and the
+runs). Each link profile shapes both veth ends with `tbf` (rate only). Per profile and shape: a batch of greedy
+decode sequences, tokens/s and the median/p99 inter-token latency; the bytes each host sent per decode step (veth
+counters, Ray's own traffic included) and the model of what crosses (hidden states [tokens, hidden] one way, the
+argmax of each greedy row back: 8 bytes, where whole logits would be vocab x dtype); and the
 busy fraction of each stage = PP=1's step time / (K x PP=K's step time) (each stage runs 1/K of the layers), so the
 bubble = 1 - busy, against (K-1)/(M+K-1) with M micro-batches in flight (M=1 here: the engine runs one step at a
 time). TP=2 across the same link would all-reduce 2 x layers x [tokens, hidden] per step (attention and MLP
@@ -73,7 +74,7 @@ def driver(args) -> None:
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     ray.init(address=f"{args.head}:{HEAD_PORT}", log_to_driver=False)
-    group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
+    group = placement_group([{"CPU": 1, "host1": 1}, {"CPU": 1, "host2": 1}], strategy="STRICT_SPREAD")
     ray.get(group.ready(), timeout=120)
     bench = ray.remote(Bench).options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=0)).remote()
@@ -104,8 +105,8 @@ def shape(hosts, rate: str | None) -> None:
 
 def start_ray(hosts, env: dict, temp: str) -> None:
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
-    common = ["--num-cpus", "1", "--disable-usage-stats"]
-    for host in (1, 2):
+    for host in (1, 2):  # each declares itself: the benchmark's stage 0 on host 1, stage 1 on host 2
+        common = ["--num-cpus", "1", "--disable-usage-stats", "--resources", json.dumps({f"host{host}": 1})]
         argv = ([ray, "start", "--head", "--port", str(HEAD_PORT), "--include-dashboard=false"] if host == 1 else
                 [ray, "start", "--address", f"{hosts.addresses[0]}:{HEAD_PORT}"])
         done = hosts.run(host, [*argv, "--node-ip-address", hosts.addresses[host - 1], *common, "--temp-dir",
@@ -147,11 +148,11 @@ def main() -> None:
                                env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             sent = {}
             for pp in (1, 2):
-                before = veth_tx(hosts, 2)
-                proc.stdin.write(f"{before}\n")
+                before = [veth_tx(hosts, 1), veth_tx(hosts, 2)]
+                proc.stdin.write(f"{before[1]}\n")
                 proc.stdin.flush()
                 json.loads(proc.stdout.readline())
-                sent[pp] = veth_tx(hosts, 2) - before
+                sent[pp] = [veth_tx(hosts, h) - before[h - 1] for h in (1, 2)]
             runs = {int(k): v for k, v in json.loads(proc.stdout.readline()).items()}
             proc.wait(120)
             profile = results["profiles"][label] = {}
@@ -162,12 +163,15 @@ def main() -> None:
                 median, p99 = statistics.median(steps), sorted(steps)[int(0.99 * (len(steps) - 1))]
                 busy = step1 / (pp * median)
                 hidden_bytes = args.batch * run["hidden"] * run["dtype_bytes"]
-                model_bytes = hidden_bytes + args.batch * run["vocab"] * run["dtype_bytes"] if pp > 1 else 0
+                crossing = (hidden_bytes, 8 * args.batch) if pp > 1 else (0, 0)  # greedy rows: the argmax crosses
                 tp_bytes = 2 * run["layers"] * hidden_bytes
                 profile[pp] = {"tokens_per_s": run["tokens"] / wall, "itl_median_s": median, "itl_p99_s": p99,
                                "busy": busy, "bubble": 1 - busy, "bubble_formula": (pp - 1) / (1 + pp - 1),
-                               "host2_bytes_per_step": sent[pp] / len(steps), "activation_bytes_per_step": model_bytes,
-                               "tp2_allreduce_bytes_per_step": tp_bytes}
+                               "host1_bytes_per_step": sent[pp][0] / len(steps),
+                               "host2_bytes_per_step": sent[pp][1] / len(steps),
+                               "model_forward_bytes_per_step": crossing[0], "model_back_bytes_per_step": crossing[1],
+                               "tp2_allreduce_bytes_per_step": tp_bytes, "logits_row_bytes": run["vocab"] *
+                               run["dtype_bytes"]}
                 rows.append((label, pp, profile[pp]))
     finally:
         for host in (2, 1):
@@ -176,11 +180,13 @@ def main() -> None:
     print(f"Decode of {args.batch} sequences ({args.prompt_len}-token prompts, {args.max_tokens} tokens), "
           f"{os.path.basename(model)}, one core per host; PP=2 stage 1 on host 2 over the link")
     print(f"{'link':<20} {'PP':>3} {'tok/s':>8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'bubble':>7} "
-          f"{'(K-1)/(M+K-1)':>14} {'host2 B/step':>13} {'act. B/step':>12} {'TP=2 AR B/step':>15}")
+          f"{'(K-1)/(M+K-1)':>14} {'h1->h2 B/step':>14} {'model':>7} {'h2->h1 B/step':>14} {'model':>6} "
+          f"{'TP=2 AR B/step':>15}")
     for label, pp, r in rows:
         print(f"{label:<20} {pp:>3} {r['tokens_per_s']:>8.1f} {r['itl_median_s'] * 1e3:>11.1f} "
               f"{r['itl_p99_s'] * 1e3:>11.1f} {r['bubble']:>7.2f} {r['bubble_formula']:>14.2f} "
-              f"{r['host2_bytes_per_step']:>13,.0f} {r['activation_bytes_per_step']:>12,} "
+              f"{r['host1_bytes_per_step']:>14,.0f} {r['model_forward_bytes_per_step']:>7,} "
+              f"{r['host2_bytes_per_step']:>14,.0f} {r['model_back_bytes_per_step']:>6,} "
               f"{r['tp2_allreduce_bytes_per_step']:>15,}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
