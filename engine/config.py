@@ -176,6 +176,11 @@ class EngineConfig:
         "type": layer_counts, "metavar": "N,N,...",
         "help": "layers per pipeline stage, first to last (default: an even split, the remainder to the first)"})
     """Layers per stage, first to last (None: an even split, one more layer each for the first stages)."""
+    pipeline_microbatches: int = field(default=0, metadata={
+        "help": "steps a pipeline keeps in flight, each with its own requests (0: one per stage; 1: one step at "
+                "a time)"})
+    """With pipeline_parallel_size K > 1: how many steps (micro-batches of different requests) are in flight at
+    once, so every stage has work (0: K, the bubble then (K-1)/(M+K-1) of M = K; 1: one step at a time)."""
     distributed_executor_backend: str = field(default="mp", metadata={
         "choices": EXECUTOR_BACKENDS,
         "help": "how the other pipeline stages start: mp (processes on this node) or ray (Ray actors on the "
@@ -208,6 +213,8 @@ class EngineConfig:
         if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
             raise ValueError(f"pp_layer_partition needs one layer count per pipeline stage "
                              f"({self.pipeline_parallel_size}), got {list(self.pp_layer_partition)}")
+        if self.pipeline_microbatches < 0:
+            raise ValueError(f"pipeline_microbatches must be >= 0, got {self.pipeline_microbatches}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")

@@ -17,12 +17,13 @@ proposed tokens; accepted ones pass the same stop rules one by one, rejected KV 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 
-from engine import prompt_logprobs
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_steps import EngineSteps
 from engine.input_checks import check_params, check_prompt, check_resume
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_views import KVViews
@@ -31,12 +32,12 @@ from engine.model_files import resolve_model_path
 from engine.outputs import RequestOutput, SampleDelta, generate_all
 from engine.parallel.executor import build_runner
 from engine.request import FinishReason, Request
-from engine.sample_state import SampleState, grammar_verdict, sample_context, stop_reason, whole_logit_rows
-from engine.sampler import SampledToken, Sampler, SampleRow, SpecRow
+from engine.sample_state import SampleState, grammar_verdict, sample_context, stop_reason
+from engine.sampler import Sampler
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import Proposer
-from engine.spec_decode.scheduling import make_proposer, propose
+from engine.spec_decode.scheduling import make_proposer
 from engine.structured_output.backend import GrammarBackend
 from engine.structured_output.step_masks import StepMasks
 from engine.tokenizer import Tokenizer
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 GRAMMAR_TIMEOUT_S = 30.0  # longest add_request waits for a compile (a worker compiles first, within its limit)
 
 
-class LLMEngine(KVViews):
+class LLMEngine(EngineSteps, KVViews):
     def __init__(self, config: EngineConfig) -> None:
         config = config.resolved()
         self.config = config
@@ -82,8 +83,15 @@ class LLMEngine(KVViews):
         """Samples aborted (or finished on arrival) since the last step; reported by the next step."""
         self.num_steps = 0
         self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
-        self._inflight: tuple | None = None
-        """(logits, sample rows, owners, spec rows, spec owners) of the launched step not yet collected."""
+        self._launched: deque[tuple] = deque()
+        """Launched steps not yet collected, oldest first: (logits, sample rows, owners, spec rows, spec owners,
+        masks, prompt rows, request ids)."""
+        self._in_flight: set[str] = set()
+        """Requests in a launched step: not scheduled again before it is collected."""
+        pp = config.pipeline_parallel_size
+        self.microbatches = (config.pipeline_microbatches or pp) if pp > 1 else 1
+        """Steps a pipeline keeps in flight (each stage works on another); 1: one at a time."""
+        self._collected_early: list[SampleState] = []
         self.proposer: Proposer | None = make_proposer(self.config, self.model_config, self.max_model_len,
                                                          self.runner.num_blocks)
         self.num_spec_draft_tokens = 0
@@ -193,120 +201,7 @@ class LLMEngine(KVViews):
 
     def has_unfinished(self) -> bool:
         """True while a request runs or waits, or an ended one is still to be reported."""
-        return self.scheduler.has_unfinished() or bool(self._ended_between_steps) or self._inflight is not None
-
-    # ---- one step ------------------------------------------------------
-    def step(self) -> list[SampleDelta]:
-        """Run one engine step; return what each touched sample gained.
-
-        With `overlap` (CUDA), the model's work is asynchronous: a call first
-        collects the step the previous call launched (its sampled tokens), then
-        launches the next step, and detokenizes and reports the collected tokens
-        while the GPU computes. Without it (CPU) a call launches, collects and
-        reports one step.
-        """
-        if self.overlap and not any(s.grammar is not None for s in self._samples.values()):
-            owners = self._collect()
-            self._launch()
-        else:  # a grammar's mask needs the previous step's token: no overlap while a sample has one
-            owners = self._collect()  # a step launched in overlap mode before such a sample came
-            self._launch()
-            seen = {id(s) for s in owners}
-            owners += [s for s in self._collect() if id(s) not in seen]
-        return [self._delta(s.make_text()) for s in owners] + self._drain_ended()
-
-    def finish_launched_step(self) -> list[SampleDelta]:
-        """Collect and report the launched step (overlap mode) without launching another."""
-        return [self._delta(s.make_text()) for s in self._collect()] + self._drain_ended()
-
-    def _launch(self) -> None:
-        """Schedule a step and start the model on it (on CUDA this returns before the GPU is done)."""
-        if self.proposer is not None:
-            propose(self.proposer, self.scheduler.running, self.config.speculative.num_speculative_tokens,
-                    self.max_model_len)
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return
-        # before finish_step advances them: (item, samples, rows of logits, first position)
-        plan = [(item, item.samples, item.num_logits, item.request.num_computed_tokens) for item in out.scheduled]
-        sampling = [item for item, samples, _, _ in plan if samples]
-        jobs, job_of = [], {}
-        for item in sampling:
-            grammar = self._samples[item.request.request_id].grammar
-            if grammar is not None:
-                job_of[item.request.request_id] = len(jobs)
-                jobs.append((grammar, item.spec_token_ids))
-        masks = self.step_masks.start(jobs)  # filled while the model runs
-        whole = whole_logit_rows(plan, self._samples, self._suppressed) if self.runner.stage is not None else None
-        logits = self.runner.execute(out, self.kv, whole)
-        self.scheduler.finish_step(out)
-        self.num_steps += 1
-        rows, owners, spec_rows, spec_owners, prompt_rows = [], [], [], [], []
-        row = 0
-        for item, samples, num_logits, start in plan:
-            request = item.request
-            num_prompt_rows = num_logits - (1 + len(item.spec_token_ids) if samples else 0)
-            if num_prompt_rows:  # prompt logprobs: these rows come first, the sampling row last
-                prompt_rows.append((self._samples[request.request_id], row, num_prompt_rows, start, samples))
-                row += num_prompt_rows
-            if not samples:
-                continue
-            job = job_of.get(request.request_id)
-            if item.spec_token_ids:
-                sample = self._samples[request.request_id]
-                spec_rows.append(SpecRow(row, request.params, sample.generator, item.spec_token_ids))
-                spec_owners.append(sample)
-                if job is not None:
-                    masks.attach(job, spec_rows[-1])
-                row += 1 + len(item.spec_token_ids)
-                continue
-            suppress = self._suppressed(request)
-            family = [self._samples[request.request_id]]
-            family += [self._fork(request, i) for i in range(1, request.pending_forks + 1)]
-            request.pending_forks = 0
-            for sample in family:  # forks' matchers are fresh, like the parent's: its bitmask row fits them
-                rows.append(SampleRow(row, sample.request.params, sample.generator, suppress, sample.context,
-                                      None if job is None else masks.first_row(job)))
-                owners.append(sample)
-            row += 1
-        self._inflight = (logits, rows, owners, spec_rows, spec_owners, masks, prompt_rows)
-
-    def _collect(self) -> list[SampleState]:
-        """Sample the launched step (waiting for the model) and accept each token; the samples that took one."""
-        if self._inflight is None:
-            return []
-        logits, rows, owners, spec_rows, spec_owners, masks, prompt_rows = self._inflight
-        self._inflight = None
-        for sample, first_row, num_rows, start, done in prompt_rows:
-            prompt_logprobs.record(sample, logits[first_row:first_row + num_rows], start, done)
-        bitmask = masks.wait() if masks is not None else None
-        tokens = self.sampler.sample(logits, rows, bitmask)
-        accepted = []
-        for sample, token in zip(owners, tokens, strict=True):
-            if not sample.request.is_finished:  # not aborted while the step ran
-                self._accept(sample, token)
-                accepted.append(sample)
-        if spec_rows:
-            verified = self.sampler.verify(logits, spec_rows, bitmask)
-            for sample, spec_row, emitted in zip(spec_owners, spec_rows, verified, strict=True):
-                if sample.request.is_finished:
-                    continue
-                self.num_spec_draft_tokens += len(spec_row.draft_token_ids)
-                self.num_spec_accepted_tokens += len(emitted) - 1
-                num_taken = 0
-                for token_id in emitted:  # one by one through the stop rules
-                    self._accept(sample, SampledToken(token_id))
-                    num_taken += 1
-                    if sample.request.is_finished:
-                        break
-                self.scheduler.accept_spec(sample.request, num_taken - 1)
-                accepted.append(sample)
-        return accepted
-
-    def _wait_for_launched_step(self) -> None:
-        """Block until the launched step's GPU work is done (before blocks it may still write are reused)."""
-        if self._inflight is not None and self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        return self.scheduler.has_unfinished() or bool(self._ended_between_steps) or bool(self._launched)
 
     # ---- helpers -------------------------------------------------------
     def _track(self, request: Request, seed: int | None) -> SampleState:

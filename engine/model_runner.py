@@ -14,7 +14,7 @@ from engine.model.loader import load_model, resolve_dtype
 from engine.model.model_config import ModelConfig
 from engine.paged_inputs import PagedInputBuilder
 from engine.parallel import shared_kv
-from engine.parallel.pipeline import PipelineStage
+from engine.parallel.pipeline import PendingLogits, PipelineStage
 from engine.parallel.tp_group import TPGroup
 from engine.scheduler import SchedulerOutput
 from engine.varlen_inputs import VarlenInputBuilder
@@ -143,10 +143,13 @@ class ModelRunner:
         return self._forward(token_ids.to(dev), positions, cache, meta, rows.to(dev))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, whole_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, whole_rows: torch.Tensor | None = None,
+                defer: bool = False) -> torch.Tensor | PendingLogits:
         """Run one step; return logits in scheduled order: one row per sampling request, 1 + K rows for a
         request verifying K proposed tokens. `whole_rows` (pipeline parallelism): per row, whether the sampler
-        reads more than its argmax; the other rows come back as -inf but 0 at the argmax (only it crosses)."""
+        reads more than its argmax; the other rows come back as -inf but 0 at the argmax (only it crosses).
+        `defer` (pipeline parallelism): return once this stage's part is sent on, the logits to come
+        (`collect`, in launch order), so the next step can start here while the other stages work."""
         self._copy_blocks(out.block_copies)
         if self.varlen is not None:
             step = self.varlen.build(out, kv)
@@ -160,8 +163,15 @@ class ModelRunner:
         if self.peers is not None:
             self.peers.send(("step", out.block_copies, *inputs, whole_rows))
             with self.peers.watch():
-                return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices, whole_rows)
+                return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices, whole_rows, defer)
         return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    def collect(self, logits: torch.Tensor | PendingLogits) -> torch.Tensor:
+        """A step's logits: as `execute` returned them, or the last stage's, received now."""
+        if not isinstance(logits, PendingLogits):
+            return logits
+        with self.peers.watch():
+            return self.stage.recv_logits(logits.shape, logits.whole_rows, self.model.dtype, self.device)
 
     @torch.inference_mode()
     def run_step(self, block_copies, input_ids, positions, meta, logits_indices, whole_rows=None) -> torch.Tensor:
@@ -169,7 +179,8 @@ class ModelRunner:
         self._copy_blocks(block_copies)
         return self._forward(input_ids, positions, self.kv_cache, meta, logits_indices, whole_rows)
 
-    def _forward(self, input_ids, positions, kv_cache, meta, logits_indices, whole_rows=None) -> torch.Tensor:
+    def _forward(self, input_ids, positions, kv_cache, meta, logits_indices, whole_rows=None,
+                 defer: bool = False) -> torch.Tensor | PendingLogits:
         """The model's forward; on a pipeline stage its part of it: the hidden states from the stage before
         (none on the first), its layers, then on to the next stage, the last one's logits back to the first
         (which returns them; the other stages return what they sent). Of the logits only the argmax crosses for
@@ -187,7 +198,10 @@ class ModelRunner:
         elif not stage.is_first:
             stage.send_logits(out, whole_rows)
         if stage.is_first and not stage.is_last:  # the logits of the sampled rows
-            return stage.recv_logits((logits_indices.shape[0], config.vocab_size), whole_rows, dtype, self.device)
+            shape = (logits_indices.shape[0], config.vocab_size)
+            if defer:
+                return PendingLogits(shape, whole_rows)
+            return stage.recv_logits(shape, whole_rows, dtype, self.device)
         return out
 
     def kv_shards(self) -> list[torch.Tensor]:

@@ -26,10 +26,16 @@ them), so the free-block checks and preemption below see what windowed requests 
 a request getting its first blocks (admission, a load from a lower tier) takes none behind its
 first query's window. Prefill-role requests (`prefill_only`) release nothing: their whole
 table is shipped to a decode worker.
+
+Pipeline micro-batches (the engine with pipeline_parallel_size K keeps several steps in flight): a step skips
+the requests still in flight (their next token is not sampled yet) and never preempts one, and takes at most
+`max_requests` of the others, so consecutive steps hold different requests.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -84,6 +90,7 @@ class Scheduler(SchedulerLoads):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._in_flight: Container[str] = ()
         self.offload = None
         """The KV tiers below the block pool (engine/kv_offload/KVOffloader), when configured."""
         self.loading: dict[str, PendingLoad] = {}
@@ -114,8 +121,12 @@ class Scheduler(SchedulerLoads):
         return len(self.waiting)
 
     # ---- one step ------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: Container[str] = (), max_requests: int | None = None) -> SchedulerOutput:
+        """The next step. `in_flight`: requests whose last step a pipeline still computes (engine micro-batches:
+        skipped, and never preempted); `max_requests`: at most that many requests in the step."""
         out = SchedulerOutput()
+        self._in_flight = in_flight
+        cap = max_requests or math.inf
         if self.offload is not None:
             self._finish_loads()
         if self.kv.sliding_window is not None:
@@ -123,8 +134,11 @@ class Scheduler(SchedulerLoads):
                 self._release_outside_window(request)
         budget = self.config.max_num_batched_tokens
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             request = self.running[index]
+            if request.request_id in in_flight:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             spec, request.spec_token_ids = request.spec_token_ids[:budget - 1], []
             copies = None
@@ -141,7 +155,7 @@ class Scheduler(SchedulerLoads):
             index += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.scheduled) < cap:
             request = self.waiting[0]
             prefix = first_query = None
             if not self.kv.block_table(request.request_id):
@@ -195,7 +209,8 @@ class Scheduler(SchedulerLoads):
             copies = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
             if copies is not None:
                 return copies
-            victim = self.running.pop()
+            victim = next(r for r in reversed(self.running) if r.request_id not in self._in_flight)  # or request
+            self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:

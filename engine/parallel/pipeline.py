@@ -5,6 +5,11 @@ the final norm and the LM head, and every stage the layers of its range (`stage_
 the remainder one layer each to the first stages, or the user's `pp_layer_partition`) and the KV cache of
 those layers only, for the same block ids (one block table, kept by the scheduler on stage 0).
 
+Several steps in flight (`EngineConfig.pipeline_microbatches`, M; default K): the first stage launches a step on
+requests not in flight, sends its hidden states on without waiting (`send`), and receives a step's logits only
+when M are in flight (engine/engine_steps.py): each stage computes another step, so the bubble is about
+(K-1)/(M+K-1) of the time instead of (K-1)/K.
+
 One step, for every stage at once: stage 0 hands the step's inputs to every stage (the executor's pipes,
 as for tensor parallelism); then stage s runs its layers on the hidden states stage s-1 sent it (stage 0
 on the embedded tokens) and sends the residual stream [tokens, hidden] to stage s+1; the last stage sends
@@ -17,7 +22,7 @@ Pure functions and a thin wrapper over the group: no processes are started here 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +51,14 @@ def stage_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | Non
 
 
 @dataclass
+class PendingLogits:
+    """A launched step's logits the first stage has yet to receive from the last (`ModelRunner.collect`)."""
+
+    shape: tuple[int, int]
+    whole_rows: torch.Tensor | None
+
+
+@dataclass
 class PipelineStage:
     """One stage's place in the pipeline, and the point-to-point links to its neighbours."""
 
@@ -57,6 +70,8 @@ class PipelineStage:
     """One past its last layer."""
     group: TPGroup | None = None
     """The stages' group (None: a single stage)."""
+    _sending: list = field(default_factory=list)
+    """(work, tensor) of sends still in progress: a send never waits for its receiver (see `send`)."""
 
     @property
     def is_first(self) -> bool:
@@ -72,9 +87,14 @@ class PipelineStage:
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         """`x` to stage `dst`, which knows its shape (nothing is sent when it is empty: a step that samples
-        nothing has no logits). No shape travels: on CUDA reading one would sync the stream every step."""
+        nothing has no logits). No shape travels: on CUDA reading one would sync the stream every step. The
+        send goes on in the background (the tensor kept until it is done): with several steps in flight the
+        first stage sends step B's hidden states while the last still sends step A's logits, and neither may
+        wait for the other's receive."""
+        self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
         if x.numel():
-            self.group.send(x.contiguous(), dst)
+            x = x.contiguous()
+            self._sending.append((self.group.isend(x, dst), x))
 
     def send_logits(self, logits: torch.Tensor, whole_rows: torch.Tensor | None) -> None:
         """The last stage's logits to the first: the argmax of every row, then the rows `whole_rows` marks (the

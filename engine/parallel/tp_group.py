@@ -80,6 +80,10 @@ class TPGroup:
         """Point to point: `x` (contiguous) to rank `dst` (pipeline stages, engine/parallel/pipeline.py)."""
         self.backend.send([x], dst, 0).wait()
 
+    def isend(self, x: torch.Tensor, dst: int):
+        """`send` without waiting: the backend's work (`wait()`, `is_completed()`); keep `x` until it completes."""
+        return self.backend.send([x], dst, 0)
+
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Point to point: fill `x` with what rank `src` sends; returns x."""
         self.backend.recv([x], src, 0).wait()

@@ -159,3 +159,34 @@ def close(x, y) -> bool:
     if isinstance(x, list):
         return isinstance(y, list) and len(x) == len(y) and all(close(a, b) for a, b in zip(x, y, strict=True))
     return x == y
+
+
+@pytest.mark.parametrize("microbatches", [0, 1], ids=["one-per-stage", "one-step-at-a-time"])
+def test_steps_in_flight_equal_one_process(tiny_qwen2_4l_dir, microbatches):
+    """By default a 2-stage engine keeps two steps of different requests in flight (the first stage computes the
+    next while the last finishes the previous); with pipeline_microbatches=1 one at a time. Same tokens either
+    way, as one process's."""
+    prompts = tiny_prompts()
+    params = [GREEDY] * (len(prompts) - 2) + [SEEDED] * 2
+    _, expected = generate(tiny_qwen2_4l_dir, prompts, 1, params)
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen2_4l_dir), dtype="float32", pipeline_parallel_size=2,
+                                    pipeline_microbatches=microbatches, cache=CacheConfig(num_blocks=512)))
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(i), prompt, p)
+        tokens: dict[str, list[int]] = {}
+        in_flight, collect = [], engine._collect
+
+        def counted_collect():  # how many steps are in flight when one is collected
+            in_flight.append(len(engine._launched))
+            return collect()
+        engine._collect = counted_collect
+        while engine.has_unfinished():
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+        most_in_flight = max(in_flight)
+        assert not engine.has_unfinished() and engine.kv.pool.num_used_blocks == 0
+    finally:
+        engine.shutdown()
+    assert [tokens[str(i)] for i in range(len(prompts))] == [c[0] for c in expected]
+    assert most_in_flight == (2 if microbatches == 0 else 1)

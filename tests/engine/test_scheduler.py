@@ -132,3 +132,25 @@ def test_abort_frees_waiting_and_running():
     s.finish(s.requests["a"], FinishReason.ABORT)
     s.finish(s.requests["b"], FinishReason.ABORT)
     assert_empty(s)
+
+
+def test_micro_batches_skip_requests_in_flight_and_never_preempt_them():
+    """A pipeline keeps two steps in flight: the second holds the other requests, at most `max_requests` each, and
+    when blocks run short the newest request not in flight is preempted, never one a stage still computes."""
+    s = make(num_blocks=5, budget=64, max_seqs=8, caching=False)
+    for i, rid in enumerate("abcd"):
+        s.add_request(req(rid, 4, max_tokens=8, first=20 * i))
+    first = s.schedule(max_requests=2)
+    s.finish_step(first)
+    in_flight = {i.request.request_id for i in first.scheduled}
+    second = s.schedule(in_flight, max_requests=2)
+    s.finish_step(second)
+    assert in_flight == {"a", "b"} and [i.request.request_id for i in second.scheduled] == ["c", "d"]
+    assert s.schedule({"a", "b", "c", "d"}).scheduled == []  # all in flight: nothing to run
+    for r in (s.requests[x] for x in "ab"):  # a and b collected: their tokens sampled
+        r.append_token(7)
+    # One block is free; a and b each need one for their next token. The newest request is d, but c and d are in
+    # flight: b (newest of the others) is preempted, not d.
+    third = s.schedule({"c", "d"})
+    assert [r.request_id for r in third.preempted] == ["b"] and [i.request.request_id for i in third.scheduled] == ["a"]
+    assert s.requests["c"].status == RequestStatus.RUNNING and s.requests["d"].status == RequestStatus.RUNNING
