@@ -39,6 +39,8 @@ def xdist_group(nodeid: str) -> str:
     """The model-cluster tests are one group, every other module a group of its own (its module fixtures
     start once)."""
     path = nodeid.split("::")[0]
+    if path.startswith("tests/multihost/"):  # tiny models on a Ray cluster of its own: beside the others
+        return "multihost"
     return "model-clusters" if path.startswith(MODEL_CLUSTER_TESTS) and path not in FREE_CLUSTER_TESTS else path
 
 

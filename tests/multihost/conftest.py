@@ -86,11 +86,10 @@ class RayHosts:
 
 
 @contextlib.contextmanager
-def ray_cluster(pools: dict | None = None, tag_offset: int = 0, **env: str):
+def ray_cluster(pools: dict | None = None, **env: str):
     """Three hosts with a Ray node each (RayHosts.start_node), torn down on exit; `pools`: what each host's node
-    declares (default POOLS), `tag_offset`: a cluster beside the package's (netns.Hosts); `env` is added to the
-    environment of every Ray process and client."""
-    hosts = Hosts(3, tag_offset)
+    declares (default POOLS); `env` is added to the environment of every Ray process and client."""
+    hosts = Hosts(3)
     temp = tempfile.mkdtemp(prefix="pdmh", dir="/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
                RAY_raylet_start_wait_time_s="120", **env)  # the GCS's wait for a raylet: a busy machine is slow
@@ -107,18 +106,38 @@ def ray_cluster(pools: dict | None = None, tag_offset: int = 0, **env: str):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+class OneCluster:
+    """The package's three-host Ray cluster, one at a time: `get(pools)` gives the running one when its nodes
+    declare `pools`, else stops it and starts one that does (the modules asking for other pools run last)."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self.cluster: RayHosts | None = None
+
+    def get(self, pools: dict) -> RayHosts:
+        if self.cluster is None or self.cluster.pools != pools:
+            self.close()
+            self.cluster = self._stack.enter_context(ray_cluster(pools=pools))
+        for host in (1, 2, 3):  # a test that killed a host and failed before restarting it
+            if host > 1 and not self.cluster.hosts.pids(host):
+                self.cluster.start_node(host, temp_name=f"h{host}-{secrets.token_hex(3)}", attempts=2)
+        return self.cluster
+
+    def close(self) -> None:
+        self._stack.close()
+        self.cluster = None
+
+
 @pytest.fixture(scope="package")
-def shared_ray_hosts():
-    """One three-host Ray cluster for the package (starting one takes tens of seconds)."""
-    with ray_cluster() as cluster:
-        yield cluster
+def ray_clusters():
+    """One three-host Ray cluster at a time for the package (starting one takes tens of seconds)."""
+    clusters = OneCluster()
+    yield clusters
+    clusters.close()
 
 
 @pytest.fixture
-def ray_hosts(shared_ray_hosts):
-    """The package's cluster, with a node started again on any host whose processes all died (a test
-    that kills a host and fails before restarting it leaves the next test a whole cluster)."""
-    for host in (2, 3):
-        if not shared_ray_hosts.hosts.pids(host):
-            shared_ray_hosts.start_node(host, temp_name=f"h{host}-{secrets.token_hex(3)}", attempts=2)
-    return shared_ray_hosts
+def ray_hosts(ray_clusters):
+    """The package's cluster with the prefill pool on host 2 and the decode pool on host 3 (POOLS), a node started
+    again on any host whose processes all died."""
+    return ray_clusters.get(dict(POOLS))

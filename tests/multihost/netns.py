@@ -36,10 +36,9 @@ def require_netns() -> None:
 class Hosts:
     """``count`` namespaces ``<prefix>1..N`` with addresses 10.<net>.<sub>.1..N on one bridge."""
 
-    def __init__(self, count: int, tag_offset: int = 0) -> None:
-        """`tag_offset`: a second set of hosts beside this process's first (names and subnet differ)."""
+    def __init__(self, count: int) -> None:
         require_netns()
-        tag = (os.getpid() + tag_offset) % 100000
+        tag = os.getpid() % 100000
         self.prefix = f"pdh{tag}x"
         self.bridge = f"pdbr{tag}"
         self.subnet = f"10.{200 + tag % 50}.{tag // 50 % 250}"  # distinct for pids less than 12,500 apart

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tests.cluster.test_serve import with_model
-from tests.multihost.conftest import PROBE, ray_cluster
+from tests.multihost.conftest import PROBE
 from tests.multihost.test_node_loss import healthy_workers, wait_for
 from tests.multihost.test_ray_across_hosts import PROMPT, metric_text_value
 
@@ -27,10 +27,11 @@ ROUTER_PORT, METRICS_PORT = 50063, 9463
 REQUEST = {"id": "pp", "prompt": PROMPT, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def pp_hosts():
-    with ray_cluster(pools={1: "decode", 2: "prefill", 3: "prefill"}, tag_offset=7) as cluster:
-        yield cluster
+@pytest.fixture
+def pp_hosts(ray_clusters):
+    """Hosts 2 and 3 declare the prefill pool, host 1 (the head) the decode pool. (This module runs after the
+    others of the package, which share the cluster of tests/multihost/conftest.py POOLS.)"""
+    return ray_clusters.get({1: "decode", 2: "prefill", 3: "prefill"})
 
 
 def stage_bytes(metrics: str) -> dict[tuple[str, str], float]:
