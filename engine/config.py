@@ -187,8 +187,8 @@ class EngineConfig:
                 "nodes of the worker's placement group, one stage per node)"})
     """`mp`: every rank a process spawned on this node (its KV mapped by this process). `ray`: pipeline stages
     1.. as Ray actors, one per bundle of the worker's placement group (across nodes), each serving the KV of
-    its layers from a sender of its own (engine/parallel/ray_stages.py, remote_stages.py); tensor parallelism
-    inside a stage is not supported with it yet."""
+    its layers from a sender of its own (engine/parallel/ray_stages.py, remote_stages.py); with
+    tensor_parallel_size N a stage's first rank starts the stage's other N-1 ranks on its node."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig, metadata={"group": "KV cache"})
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
@@ -218,9 +218,6 @@ class EngineConfig:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
-            raise ValueError("distributed_executor_backend ray runs one process per pipeline stage: "
-                             "tensor_parallel_size > 1 needs the mp backend for now")
         if self.pipeline_parallel_size > 1 and self.cache.offload.enabled:
             raise ValueError("KV offload tiers with pipeline_parallel_size > 1 are not supported yet")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):

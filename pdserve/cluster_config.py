@@ -46,8 +46,8 @@ class ClusterConfig:
     pipeline_across_nodes: bool = dataclasses.field(default=False, metadata={
         "help": "with --ray-address: each worker with pipeline stages puts one stage per node (a Ray placement "
                 "group, STRICT_SPREAD), each stage serving the KV of its layers itself"})
-    """With ray_address: a worker of K pipeline stages runs them on K nodes (pdserve/stage_groups.py;
-    tensor parallelism stays inside a node: one process per stage for now)."""
+    """With ray_address: a worker of K pipeline stages runs them on K nodes (pdserve/stage_groups.py), each
+    stage's tensor-parallel ranks on its node."""
     follow_ray_nodes: bool = dataclasses.field(default=False, metadata={
         "help": "with --ray-address: run a worker per unit of pdserve_<role> each node declares, as nodes join "
                 "and leave (a RayCluster resized by `pdserve planner`)"})
@@ -100,10 +100,6 @@ class ClusterConfig:
         if self.pipeline_across_nodes and (self.ray_address is None or self.follow_ray_nodes):
             raise ValueError("--pipeline-across-nodes needs --ray-address (nodes to spread over), "
                              "not with --follow-ray-nodes")
-        if self.pipeline_across_nodes and any(self.tensor_parallel_size(r) > 1 and self.pipeline_parallel_size(r) > 1
-                                              for r in ("prefill", "decode")):
-            raise ValueError("--pipeline-across-nodes runs one process per stage: tensor parallelism inside a "
-                             "stage is not supported with it yet")
         if self.pipeline_across_nodes and self.pipeline_parallel_size("decode") > 1 and self.num_prefill:
             raise ValueError("--pipeline-across-nodes: decode workers whose stages run on other nodes cannot receive "
                              "a prefill worker's KV yet; give them --decode-pipeline-parallel-size 1")

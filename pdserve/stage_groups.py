@@ -15,7 +15,7 @@ STAGE_GROUP_TIMEOUT_S = 300.0
 
 def stage_bundles(role: str, stages: int, ranks_per_stage: int, use_gpu: bool, cluster_resources: dict) -> list[dict]:
     """The bundles of one worker's placement group: one per stage."""
-    bundle: dict[str, float] = {"CPU": 1}
+    bundle: dict[str, float] = {"CPU": 1 if use_gpu else ranks_per_stage}  # a core per rank on CPU
     if use_gpu:
         bundle["GPU"] = ranks_per_stage
     if f"pdserve_{role}" in cluster_resources:

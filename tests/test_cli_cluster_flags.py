@@ -44,8 +44,6 @@ CASES = [
     (["serve", "--pipeline-across-nodes"], "--pipeline-across-nodes needs --ray-address"),
     (["serve", "--ray-address", "10.0.0.1:6379", "--pipeline-across-nodes", "--decode-pipeline-parallel-size", "2"],
      "decode workers whose stages run on other nodes cannot receive"),
-    (["serve", "--ray-address", "10.0.0.1:6379", "--pipeline-across-nodes", "--pipeline-parallel-size", "2",
-      "--tensor-parallel-size", "2", "--decode-pipeline-parallel-size", "1"], "one process per stage"),
     (["serve", "--internal-tls", *(a for part in ("cert", "key", "ca") for a in (f"--internal-tls-{part}",
                                                                                 sys.executable))],
      "--internal-tls makes its own certificates"),

@@ -20,103 +20,46 @@ RuntimeError: before each step (liveness check), or when a collective breaks (th
 rank's traceback when it had one). Group connection and collectives time out after
 `tp_group.TIMEOUT_S`, so nothing waits forever on a rank that never comes.
 
-`run_rank(rank, world_size, init_method, config, conn)` is a plain function: another launcher (a Ray
-placement group) can start the same loop with anything that has `send_bytes` / `recv_bytes` / `poll`.
+Stages on other nodes (`distributed_executor_backend="ray"`): rank 0 starts its own stage's ranks here and
+the first rank of every other stage as a Ray actor on that stage's node (ray_stages.py), which starts its
+stage's other ranks there and is sent each step over TCP, passing it on (ranks.py). The rendezvous store and the
+groups bind the nodes' addresses. Those stages serve their own KV (remote_stages.py): rank 0 maps only the KV
+of the ranks on its node.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import logging
-import os
 import pickle
 import threading
 import time
-import traceback
 import weakref
 from dataclasses import replace
 
 import torch
-import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ray_stages, shared_kv
 from engine.parallel.expert_parallel import check_expert_parallel
-from engine.parallel.pipeline import PipelineStage, stage_layers
-from engine.parallel.remote_stages import RemoteStage, StageKVServer
+from engine.parallel.pipeline import stage_layers
+from engine.parallel.ranks import (
+    READY_TIMEOUT_S,
+    LocalRanks,
+    await_ready,
+    connect_groups,
+    make_runner,
+    rank_device,
+    rank_threads,
+    stop_ranks,
+    to_device,
+)
+from engine.parallel.remote_stages import RemoteStage
 from engine.parallel.sharding import check_tp_size
-from engine.parallel.tp_group import TPGroup, host_store
+from engine.parallel.tp_group import host_store
 
 logger = logging.getLogger(__name__)
-READY_TIMEOUT_S = 300.0
-
-
-def rank_threads(world_size: int) -> int:
-    """torch threads per rank: this machine's cores shared evenly (at least one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // world_size)
-
-
-def rank_device(device: str, rank: int) -> str:
-    """cuda[:k] -> cuda:(k + rank) (one GPU per rank); cpu stays cpu."""
-    if not device.startswith("cuda"):
-        return device
-    base = int(device.split(":", 1)[1]) if ":" in device else 0
-    return f"cuda:{base + rank}"
-
-
-def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig, conn, host: str | None = None) -> None:
-    """Rank `rank` (>= 1): join the group, load this rank's shard, then run the steps rank 0 sends until
-    "stop" (or until its connection closes). `config` is rank 0's, with the model path and max_model_len
-    resolved. `host`: this rank is a pipeline stage on another node (ray_stages.py), at that address; it
-    serves its KV from a sender of its own (remote_stages.py) instead of exporting it to rank 0."""
-    lock = threading.Lock()
-
-    def send(message: tuple) -> None:  # the loop and the KV sender's threads share the connection
-        with lock:
-            conn.send_bytes(pickle.dumps(message))
-
-    kv_server = None
-    try:
-        torch.set_num_threads(rank_threads(world_size) if host is None else max(1, torch.get_num_threads()))
-        local = rank_device(config.device, 0 if host is not None else rank)  # a remote stage: its node's device
-        config = replace(config, device=local)
-        device = torch.device(config.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        tp, pp = connect_groups(rank, config, init_method, device, host=host)
-        model_config = ModelConfig.from_dir(config.model)
-        runner = make_runner(config, config.model, model_config, config.max_model_len, tp, pp)
-        if host is not None:
-            kv_server = StageKVServer(runner.kv_cache, host, send)
-        send(("ready", runner.num_blocks, None if host is not None else runner.kv_export))
-        while True:
-            try:
-                message = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):  # rank 0 is gone
-                break
-            kind, args = message[0], message[1:]
-            if kind == "stop":
-                break
-            if kind == "step":
-                runner.run_step(*_to_device(args, device))
-            elif kind == "prompt":
-                runner.forward_prompt(*_to_device(args, device))
-            elif kv_server is not None:
-                kv_server.handle(kind, args)
-        for group in (tp, pp):
-            if group is not None:
-                group.close()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            send(("error", traceback.format_exc()))
-        raise
-    finally:
-        if kv_server is not None:
-            kv_server.close()
 
 
 def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
@@ -141,33 +84,6 @@ def build_runner(config: EngineConfig, model_path, model_config: ModelConfig,
     return runner, executor
 
 
-def connect_groups(rank: int, config: EngineConfig, init_method: str, device: torch.device,
-                   store=None, host: str | None = None) -> tuple[TPGroup | None, TPGroup | None]:
-    """Process `rank`'s groups, (tensor-parallel, pipeline): with K stages of N ranks, rank s*N + t is rank t of
-    stage s's tensor-parallel group `tp<s>` and stage s of the pipeline `pp<t>` (the ranks of one tensor-parallel
-    position, one per stage, pass hidden states to each other). None where that size is 1."""
-    n, k = config.tensor_parallel_size, config.pipeline_parallel_size
-    stage, position = divmod(rank, n)
-    tp = pp = None
-    if n > 1:
-        tp = TPGroup.connect(position, n, init_method, device, store=store,
-                             expert_parallel=config.enable_expert_parallel, name=f"tp{stage}")
-    if k > 1:  # every stage's tensor-parallel groups exist before any pipeline group is made: no rank waits on
-        pp = TPGroup.connect(stage, k, init_method, device, store=store, name=f"pp{position}",  # one that waits
-                             local_host=host)
-    return tp, pp
-
-
-def make_runner(config: EngineConfig, model_path, model_config: ModelConfig, max_model_len: int,
-                tp: TPGroup | None, pp: TPGroup | None) -> ModelRunner:
-    """A process's ModelRunner: its shard of its stage's layers (with `connect_groups`' groups)."""
-    stage = None
-    if pp is not None:
-        ranges = stage_layers(model_config.num_layers, config.pipeline_parallel_size, config.pp_layer_partition)
-        stage = PipelineStage(pp.rank, pp.world_size, *ranges[pp.rank], pp)
-    return ModelRunner(config, model_path, model_config, max_model_len, tp=tp, stage=stage)
-
-
 class TPExecutor:
     """Rank 0's side: starts the other ranks, mirrors each forward to them, and stops them. The ranks are a
     tensor-parallel engine's, or a pipeline-parallel engine's stages (engine/parallel/pipeline.py: the same
@@ -177,8 +93,7 @@ class TPExecutor:
         """`config`: the engine's, with `model` a resolved directory and `max_model_len` set; `num_layers`:
         the model's."""
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
-        self.kind = "pipeline stage" if config.tensor_parallel_size == 1 else "tensor-parallel rank"
-        """What the other processes are, in errors."""
+        self._tp = config.tensor_parallel_size
         self.kv_shards: list[torch.Tensor] = []
         """The KV caches of the ranks on this node, mapped here (engine/parallel/shared_kv.py)."""
         self.remote_stages: list[RemoteStage] = []
@@ -193,23 +108,32 @@ class TPExecutor:
         device = torch.device(rank_device(config.device, 0))
         if device.type == "cuda":  # unrun here (no GPU on the development machine)
             torch.cuda.set_device(device)
-        self.conns, self.procs = [], []
+        self.conns: dict[int, object] = {}
+        """Rank -> the connection rank 0 drives it on: the ranks it started on this node, and the first rank of
+        each pipeline stage on another node (which passes each step on to its stage's other ranks)."""
+        self.procs: dict[int, object] = {}
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
         host = None
         try:
             if config.distributed_executor_backend == "ray":
                 host = ray_stages.node_ip()  # the rendezvous: this node's address as Ray knows it, not loopback
+                torch.set_num_threads(rank_threads(self._tp))  # this stage's ranks share this node
                 store = host_store(host, self.world_size)
                 init_method = f"tcp://{host}:{store.port}"
-                conns, procs = ray_stages.launch(self.world_size, init_method, config, host,
-                                                 device.type == "cuda")
+                local = LocalRanks(range(1, self._tp), self.world_size, init_method, config, host)
+                self.conns.update(local.conns)
+                self.procs.update(local.procs)
+                conns, procs = ray_stages.launch(range(self._tp, self.world_size, self._tp), self.world_size,
+                                                 init_method, config, host, device.type == "cuda")
+                self.conns.update(conns)
+                self.procs.update(procs)
             else:
                 torch.set_num_threads(rank_threads(self.world_size))
                 store = host_store("127.0.0.1", self.world_size)
                 init_method = f"tcp://127.0.0.1:{store.port}"
-                conns, procs = _spawn(self.world_size, init_method, config)
-            self.conns.extend(conns)
-            self.procs.extend(procs)
+                local = LocalRanks(range(1, self.world_size), self.world_size, init_method, config)
+                self.conns.update(local.conns)
+                self.procs.update(local.procs)
             self.group, self.stage_group = connect_groups(0, config, init_method, device, store, host=host)
             """This rank's tensor-parallel group and pipeline group (None where that size is 1)."""
         except BaseException:
@@ -218,31 +142,28 @@ class TPExecutor:
 
     def wait_ready(self, num_blocks: int, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Block until every rank has built its runner; raise if one died or disagrees on the block count."""
-        deadline = time.monotonic() + timeout_s
-        for rank, conn in enumerate(self.conns, 1):
-            while not conn.poll(0.1):
+        def dead() -> str | None:
+            with contextlib.suppress(RuntimeError):
                 self.check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.kind} {rank} not ready after {timeout_s:.0f} s")
-            kind, value, *kv_handle = pickle.loads(conn.recv_bytes())
-            if kind == "error":
-                raise RuntimeError(f"{self.kind} {rank} failed:\n{value}")
-            if value != num_blocks:
-                raise RuntimeError(f"{self.kind} {rank} has {value} KV blocks, rank 0 {num_blocks}")
-            if kv_handle[0] is None:  # a stage on another node: it serves its KV itself
-                start, end = self._stage_layers[rank]
-                link = self._links[rank] = RemoteStage(rank, start, end - start, conn, self.send_to)
+                return None
+            return self.dead
+
+        for rank, handle in await_ready(self.conns, dead, num_blocks, time.monotonic() + timeout_s):
+            if handle is None:  # a stage on another node: it serves its KV itself
+                start, end = self._stage_layers[rank // self._tp]
+                link = self._links[rank] = RemoteStage(rank // self._tp, start, end - start, self.conns[rank],
+                                                       lambda message, rank=rank: self.send_to(rank, message))
                 self.remote_stages.append(link)
                 continue
-            kv_cache, mapping = shared_kv.open_handle(kv_handle[0])
+            kv_cache, mapping = shared_kv.open_handle(handle)
             self.kv_shards.append(kv_cache)
             self._kv_mappings.append(mapping)
 
     def send(self, message: tuple) -> None:
         """Hand a forward ("step" or "prompt" and its arguments) to every other rank."""
         self.check_alive()
-        data = pickle.dumps(_to_device(message, torch.device("cpu")), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank in range(1, self.world_size):
+        data = pickle.dumps(to_device(message, torch.device("cpu")), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank in self.conns:
             self._send_bytes(rank, data)
 
     def send_to(self, rank: int, message: tuple) -> None:
@@ -252,9 +173,9 @@ class TPExecutor:
     def _send_bytes(self, rank: int, data: bytes) -> None:
         try:
             with self._send_lock:
-                self.conns[rank - 1].send_bytes(data)
+                self.conns[rank].send_bytes(data)
         except OSError as exc:
-            raise RuntimeError(f"{self.kind} {rank} is gone ({exc})") from exc
+            raise RuntimeError(f"{self._name(rank)} is gone ({exc})") from exc
 
     @contextlib.contextmanager
     def watch(self):
@@ -286,8 +207,8 @@ class TPExecutor:
             raise
 
     def _check_alive(self) -> None:
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
-            link = self._links.get(rank)
+        for rank, proc in self.procs.items():
+            conn, link = self.conns[rank], self._links.get(rank)
             if proc.is_alive() and (link is None or link.error is None):
                 continue
             detail = ""
@@ -298,7 +219,14 @@ class TPExecutor:
                     if conn.poll():
                         kind, value = pickle.loads(conn.recv_bytes())
                         detail = f":\n{value}" if kind == "error" else ""
-            raise RuntimeError(f"{self.kind} {rank} exited (exit code {proc.exitcode}){detail}")
+            raise RuntimeError(f"{self._name(rank)} exited (exit code {proc.exitcode}){detail}")
+
+    def _name(self, rank: int) -> str:
+        """A rank as errors name it: a pipeline stage (its first rank, on another node, or with one rank per
+        stage), else a tensor-parallel rank."""
+        if rank in self._links or self._tp == 1:
+            return f"pipeline stage {rank // self._tp}"
+        return f"tensor-parallel rank {rank}"
 
     def shutdown(self) -> None:
         """Stop the other ranks (waiting for them) and release the group."""
@@ -311,50 +239,5 @@ class TPExecutor:
         torch.set_num_threads(self._threads)
 
 
-def _spawn(world_size: int, init_method: str, config: EngineConfig) -> tuple[list, list]:
-    """Ranks 1..world_size-1 as processes of this node, each on a pipe: (the pipes, the processes)."""
-    ctx = mp.get_context("spawn")
-    conns, procs = [], []
-    for rank in range(1, world_size):
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=run_rank, args=(rank, world_size, init_method, config, theirs),
-                           name=f"pdserve-tp-rank{rank}", daemon=True)
-        proc.start()
-        theirs.close()
-        conns.append(ours)
-        procs.append(proc)
-    return conns, procs
-
-
-def _stop(conns: list, procs: list, timeout_s: float = 10.0) -> None:
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.send_bytes(pickle.dumps(("stop",)))
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    for conn in conns:
-        conn.close()
-
-
-def _to_device(obj, device: torch.device):
-    """`obj` with every tensor in it (in tuples, lists, dicts and dataclasses such as AttentionMetadata)
-    on `device`, compact (a view of a larger buffer is copied, so only its own elements get pickled)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device == device and obj.is_contiguous() and obj.numel() == obj.untyped_storage().nbytes() // max(
-                1, obj.element_size()):
-            return obj
-        return obj.to(device).clone() if obj.device == device else obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            setattr(obj, f.name, _to_device(getattr(obj, f.name), device))
-        return obj
-    return obj
+def _stop(conns: dict, procs: dict) -> None:
+    stop_ranks(list(conns.values()), list(procs.values()))

@@ -9,6 +9,9 @@ control listener (an authenticated `multiprocessing.connection`, the key passed 
 the stages' group) and the listener are on the first stage's node address as Ray knows it, never loopback:
 the lesson of the multi-host fix (pdserve/ray_network.py).
 
+With tensor_parallel_size N each stage is N ranks on its node: the actor is the stage's first rank (its bundle
+holds the N devices) and spawns the other N-1 itself, as the worker process does for stage 0 (ranks.py).
+
 `StageProcess` gives the executor what it needs of a spawned process (`is_alive`, `exitcode`, `join`, `kill`)
 for an actor: a stage whose node is lost ends its `run` task, which the executor sees as the stage's death.
 Ray is imported only here, and only when this backend is chosen.
@@ -34,10 +37,10 @@ class StageActor:
 
     def run(self, rank: int, world_size: int, init_method: str, config, address: tuple[str, int],
             authkey: bytes) -> None:
-        from engine.parallel.executor import run_rank
+        from engine.parallel.ranks import run_rank
         conn = Client(address, authkey=authkey)
         conn.send_bytes(rank.to_bytes(4, "little"))
-        run_rank(rank, world_size, init_method, config, conn, host=self.node_ip())
+        run_rank(rank, world_size, init_method, config, conn, host=self.node_ip(), leader=True)
 
 
 class StageProcess:
@@ -68,8 +71,10 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def launch(world_size: int, init_method: str, config, host: str, use_gpu: bool) -> tuple[list, list]:
-    """Start stages 1..world_size-1 as actors; returns (their connections, rank order; their StageProcesses).
+def launch(ranks, world_size: int, init_method: str, config, host: str, use_gpu: bool) -> tuple[dict, dict]:
+    """Start the first rank of each pipeline stage on another node (`ranks`: s x N for stages 1..K-1 of N
+    tensor-parallel ranks) as an actor in bundle s, with the stage's N devices (it starts the stage's other ranks
+    itself); returns ({rank: its connection}, {rank: its StageProcess}).
     A stage actor that dies before it connects because its node went away (Ray had not yet seen the node die
     when it placed it there) is started again, in its bundle, until it connects or ACCEPT_TIMEOUT_S passes: so a
     worker restarted after losing a stage waits for the stage's node to return. A stage that fails by itself
@@ -83,20 +88,23 @@ def launch(world_size: int, init_method: str, config, host: str, use_gpu: bool) 
     group = get_current_placement_group()
     actor_cls = ray.remote(StageActor)
 
+    per_stage = config.tensor_parallel_size
+
     def start(rank: int) -> StageProcess:
-        options = {"num_cpus": 0 if use_gpu else 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0}
+        options = {"num_cpus": 0 if use_gpu else per_stage, "num_gpus": per_stage if use_gpu else 0,
+                   "max_restarts": 0}
         if group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                group, placement_group_bundle_index=rank)
+                group, placement_group_bundle_index=rank // per_stage)
         actor = actor_cls.options(**options).remote()
         return StageProcess(actor, actor.run.remote(rank, world_size, init_method, config, listener.address, authkey))
 
     try:
-        procs = {rank: start(rank) for rank in range(1, world_size)}
+        procs = {rank: start(rank) for rank in ranks}
         conns = _accept(listener, procs, start)
     finally:
         listener.close()
-    return [conns[rank] for rank in range(1, world_size)], [procs[rank] for rank in range(1, world_size)]
+    return conns, procs
 
 
 def _accept(listener: Listener, procs: dict[int, StageProcess], start) -> dict:

@@ -13,7 +13,7 @@ connection, the one that carries its steps, so a lease always follows the steps 
                          ("lease", transfer_id, state, error, bytes_moved)   a lease ended
                          ("error", traceback)                   the stage failed
 
-`StageKVServer` is the stage's half (run by `executor.run_rank`), `RemoteStage` the first stage's (a
+`StageKVServer` is the stage's half (run by `ranks.run_rank`), `RemoteStage` the first stage's (a
 `kv_transfer.layer_split.StageSender`; its reader thread owns the connection's incoming side once the stage
 is ready). A stage that goes away fails every lease it held, so no piece of a transfer waits forever.
 """
@@ -121,7 +121,7 @@ class RemoteLease:
 
     def poll(self) -> TransferState:
         if not self.state.is_terminal and time.monotonic() > self.deadline + REPORT_GRACE_S:
-            self.finish(TransferState.FAILED, f"stage {self.stage.rank} did not report its lease")
+            self.finish(TransferState.FAILED, f"stage {self.stage.stage} did not report its lease")
         return self.state
 
     def request_stop(self, reason: str, interrupt: bool = False) -> None:
@@ -140,15 +140,15 @@ class RemoteLease:
 
 
 class RemoteStage:
-    """The first stage's link to stage `rank` on another node: its sender's address and its leases."""
+    """The first stage's link to pipeline stage `stage` on another node: its sender's address and its leases."""
 
-    def __init__(self, rank: int, first_layer: int, num_layers: int, conn, send) -> None:
-        self.rank = rank
+    def __init__(self, stage: int, first_layer: int, num_layers: int, conn, send) -> None:
+        self.stage = stage
         self.first_layer = first_layer
         self.num_layers = num_layers
         self._conn = conn
         self._send = send
-        """The executor's send to this stage (one lock with the steps)."""
+        """The executor's send to this stage's first rank (one lock with the steps)."""
         self._leases: dict[str, RemoteLease] = {}
         self._lock = threading.Lock()
         self._sender_info: dict | None = None
@@ -158,34 +158,34 @@ class RemoteStage:
         """Why the stage is gone (its traceback, or the connection closing); None while it runs."""
         self.bytes_moved = 0
         """Bytes the stage's sender served for the leases that ended (as it reports them)."""
-        self._reader = threading.Thread(target=self._read, name=f"pdserve-stage{rank}-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read, name=f"pdserve-stage{stage}-reader", daemon=True)
         self._reader.start()
 
     def peer_info(self) -> dict:
         if self._sender_info is None:
-            raise RuntimeError(f"stage {self.rank} has no KV sender open")
+            raise RuntimeError(f"stage {self.stage} has no KV sender open")
         return self._sender_info
 
     def open_sender(self, kv_config: KVTransferConfig, layout: KVLayout) -> None:
         """Open the stage's sender for the worker's `layout` (this stage's layers of it); blocks until it is."""
         stage_layout = dataclasses.replace(layout, num_layers=self.num_layers, first_layer=self.first_layer)
-        self._send(self.rank, ("open_sender", kv_config, stage_layout))
+        self._send(("open_sender", kv_config, stage_layout))
         if not self._opened.wait(OPEN_TIMEOUT_S) or self._sender_error or self.error:
-            raise RuntimeError(f"stage {self.rank} could not open its KV sender: "
+            raise RuntimeError(f"stage {self.stage} could not open its KV sender: "
                                f"{self._sender_error or self.error or 'no answer'}")
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float, capability: str) -> RemoteLease:
         lease = RemoteLease(self, transfer_id, block_ids, timeout_s, capability)
         with self._lock:
             if self.error is not None:
-                raise RuntimeError(f"stage {self.rank} is gone: {self.error}")
+                raise RuntimeError(f"stage {self.stage} is gone: {self.error}")
             self._leases[transfer_id] = lease
-        self._send(self.rank, ("expect", transfer_id, list(block_ids), timeout_s, capability))
+        self._send(("expect", transfer_id, list(block_ids), timeout_s, capability))
         return lease
 
     def release(self, transfer_id: str, reason: str) -> None:
         try:
-            self._send(self.rank, ("release", transfer_id, reason))
+            self._send(("release", transfer_id, reason))
         except RuntimeError:
             pass  # the stage is gone: the reader fails its leases
 
@@ -213,5 +213,5 @@ class RemoteStage:
         with self._lock:
             leases, self._leases = list(self._leases.values()), {}
         for lease in leases:
-            lease.finish(TransferState.FAILED, f"stage {self.rank} is gone: {self.error}")
+            lease.finish(TransferState.FAILED, f"stage {self.stage} is gone: {self.error}")
         self._opened.set()

@@ -90,8 +90,8 @@ def test_a_dead_stage_is_an_error_not_a_hang(tiny_qwen2_4l_dir):
                                     cache=CacheConfig(num_blocks=64)))
     try:
         assert engine.generate([[5, 6, 7]], GREEDY)[0].completions[0].token_ids
-        engine.executor.procs[0].kill()
-        engine.executor.procs[0].join()
+        engine.executor.procs[1].kill()
+        engine.executor.procs[1].join()
         with pytest.raises(RuntimeError, match="pipeline stage 1 exited"):
             engine.generate([[5, 6, 7, 8] * 10], GREEDY)
     finally:

@@ -15,8 +15,10 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.parallel.ray_stages import StageProcess
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVLayout, KVTransferConfig, TransferState
+from kv_transfer.sharded import ShardedKV
 from tests.engine.test_pipeline_parallel import GREEDY, SEEDED
 from tests.engine.test_tensor_parallel import tiny_prompts
 from worker_runtime.transfer_sides import open_sides
@@ -28,14 +30,15 @@ CONFIG = KVTransferConfig(backend="tcp", host="127.0.0.1", default_timeout_s=30)
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
 
-def engine(model_dir, pp: int, backend: str = "mp") -> LLMEngine:
+def engine(model_dir, pp: int, backend: str = "mp", tp: int = 1) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", pipeline_parallel_size=pp,
-                                  distributed_executor_backend=backend, cache=CacheConfig(num_blocks=64)))
+                                  tensor_parallel_size=tp, distributed_executor_backend=backend,
+                                  cache=CacheConfig(num_blocks=64)))
 
 
 def run(eng: LLMEngine, prompts, params):
@@ -44,15 +47,19 @@ def run(eng: LLMEngine, prompts, params):
     return tokens
 
 
-def test_stages_on_ray_equal_one_process_and_serve_their_own_kv(local_ray, tiny_qwen2_4l_dir):
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2xtp2"])
+def test_stages_on_ray_equal_one_process_and_serve_their_own_kv(local_ray, tiny_qwen2_4l_dir, tp):
+    """With tp=2 each stage is two ranks on its node: the stage actor starts its second rank itself, and serves
+    the KV of both (their head ranges) from its sender."""
     prompts = tiny_prompts()
     forks = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
     params = [GREEDY] * (len(prompts) - 3) + [SEEDED, forks, forks]
     one = engine(tiny_qwen2_4l_dir, 1)
-    staged = engine(tiny_qwen2_4l_dir, 2, "ray")
+    staged = engine(tiny_qwen2_4l_dir, 2, "ray", tp)
     sides = None
     try:
         assert len(staged.runner.remote_stages()) == 1 and staged.runner.kv_stages == 1
+        assert len(staged.runner.kv_shards()) == tp  # this node's ranks: its stage's
         assert staged.runner.kv_cache.shape[1] == 2  # this node holds layers [0, 2) only
         assert run(staged, prompts, params) == run(one, prompts, params)
 
@@ -64,8 +71,10 @@ def test_stages_on_ray_equal_one_process_and_serve_their_own_kv(local_ray, tiny_
         blocks, _ = staged.lease_cached_prefix("x", prompt[0])
         expected_blocks, _ = one.lease_cached_prefix("x", prompt[0])
         assert len(blocks) == len(expected_blocks) == 2
-        layout = KVLayout.of_kv_cache(staged.runner.kv_cache, Path(staged.model_path).name)
-        sides = open_sides(staged.runner.kv_cache, layout, CONFIG, staged.runner.remote_stages())
+        shards = staged.runner.kv_shards()
+        pool = shards[0] if tp == 1 else ShardedKV(shards)
+        layout = KVLayout.of_kv_cache(pool, Path(staged.model_path).name)
+        sides = open_sides(pool, layout, CONFIG, staged.runner.remote_stages())
         info = sides.sender.peer_info()
         assert [(s["first_layer"], s["num_layers"]) for s in info["stages"]] == [(0, 2), (2, 2)]
         lease = sides.sender.expect("p", blocks, timeout_s=30)
@@ -85,7 +94,8 @@ def test_stages_on_ray_equal_one_process_and_serve_their_own_kv(local_ray, tiny_
         # and so does the next step.
         lease = sides.sender.expect("q", blocks, timeout_s=30)
         assert staged.broken() is None
-        local_ray.kill(staged.executor.procs[0].actor, no_restart=True)
+        stage_actor = next(p.actor for p in staged.executor.procs.values() if isinstance(p, StageProcess))
+        local_ray.kill(stage_actor, no_restart=True)
         assert lease.wait(30) == TransferState.FAILED
         assert "pipeline stage 1" in staged.broken()
         with pytest.raises(RuntimeError, match="pipeline stage 1"):

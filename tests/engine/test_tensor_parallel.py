@@ -165,11 +165,11 @@ def test_a_dead_rank_is_an_error_not_a_hang(tiny_qwen2_dir, how):
     try:
         assert engine.generate([[5, 6, 7]], GREEDY)[0].completions[0].token_ids
         if how == "killed":  # between steps: found before the next step is sent
-            engine.executor.procs[0].kill()
-            engine.executor.procs[0].join()
+            engine.executor.procs[1].kill()
+            engine.executor.procs[1].join()
             match = "rank 1 exited"
         else:  # rank 1 raises on a step it cannot run: found before the next step, or when its collectives break
-            engine.executor.conns[0].send_bytes(pickle.dumps(("step", "not a step")))
+            engine.executor.conns[1].send_bytes(pickle.dumps(("step", "not a step")))
             match = "(?s)rank 1 exited .*TypeError: ModelRunner.run_step"  # its traceback
         with pytest.raises(RuntimeError, match=match):
             engine.generate([[5, 6, 7, 8] * 10], GREEDY)
@@ -241,7 +241,7 @@ from engine.llm_engine import LLMEngine
 if __name__ == "__main__":
     engine = LLMEngine(EngineConfig(model={str(tiny_qwen2_dir)!r}, dtype="float32", tensor_parallel_size=2,
                                     cache=CacheConfig(num_blocks=8)))
-    print(engine.executor.procs[0].pid, flush=True)
+    print(engine.executor.procs[1].pid, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind
 """)
     root = Path(__file__).resolve().parents[2]

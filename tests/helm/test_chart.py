@@ -370,11 +370,12 @@ def test_pipeline_across_nodes_runs_a_pod_per_stage_in_the_pools_ray_group():
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     assert (groups["prefill"]["replicas"], groups["prefill"]["maxReplicas"]) == (6, 6)  # 2 workers x 3 stage pods
     assert groups["decode"]["replicas"] == 1  # one stage: one pod per worker
-    # each stage pod holds one stage: one GPU per pod is enough, tensor parallelism inside a stage is refused
-    gpu = ("--set", "model.device=cuda", "--set-string", r"prefill.resources.limits.nvidia\.com/gpu=1")
-    template(*stages, *gpu)
-    with pytest.raises(ValueError, match="prefill.tensorParallelSize must be 1"):
-        template(*stages, "--set", "prefill.tensorParallelSize=2")
+    # each pod holds one stage: its tensor-parallel ranks' GPUs (2 here), not the whole worker's 2 x 3
+    gpu = ("--set", "model.device=cuda", "--set", "prefill.tensorParallelSize=2")
+    template(*stages, *gpu, "--set-string", r"prefill.resources.limits.nvidia\.com/gpu=2")
+    with pytest.raises(ValueError, match=r"prefill.tensorParallelSize=2 x pipelineParallelSize=3 needs "
+                                         r"prefill.resources.limits nvidia.com/gpu >= 2"):
+        template(*stages, *gpu, "--set-string", r"prefill.resources.limits.nvidia\.com/gpu=1")
     with pytest.raises(ValueError, match="decode.pipelineParallelSize must be 1"):
         template(*stages, "--set", "decode.pipelineParallelSize=2")
     with pytest.raises(ValueError, match="ray.pipelineAcrossNodes needs mode=raycluster"):

@@ -519,14 +519,11 @@ matchExpressions:
 {{- end -}}
 
 {{/* A CUDA worker of tensor-parallel size N and P pipeline stages needs N x P GPUs in its pod (one per rank);
-     with ray.pipelineAcrossNodes (raycluster mode) each stage has a pod of its own: N GPUs in each, N = 1. */}}
+     with ray.pipelineAcrossNodes (raycluster mode) each stage has a pod of its own: N GPUs in each. */}}
 {{- define "pdserve.checkTensorParallel" -}}
 {{- $w := index .root.Values .role -}}
 {{- $gpus := int (index ($w.resources.limits | default dict) "nvidia.com/gpu" | default 0) -}}
 {{- $across := include "pdserve.stagePods" . | int -}}
-{{- if and (gt $across 1) (gt (int $w.tensorParallelSize) 1) -}}
-{{- fail (printf "ray.pipelineAcrossNodes runs one process per stage: %s.tensorParallelSize must be 1, got %d" .role (int $w.tensorParallelSize)) -}}
-{{- end -}}
 {{- $ranks := ternary (int $w.tensorParallelSize) (mul (int $w.tensorParallelSize) (int ($w.pipelineParallelSize | default 1))) (gt $across 1) -}}
 {{- if and (eq .root.Values.model.device "cuda") (lt $gpus $ranks) -}}
 {{- fail (printf "%s.tensorParallelSize=%d x pipelineParallelSize=%d needs %s.resources.limits nvidia.com/gpu >= %d (one GPU per rank), got %d" .role (int $w.tensorParallelSize) (int ($w.pipelineParallelSize | default 1)) .role $ranks $gpus) -}}
