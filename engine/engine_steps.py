@@ -26,13 +26,14 @@ class EngineSteps:
         collects the step the previous call launched (its sampled tokens), then
         launches the next step, and detokenizes and reports the collected tokens
         while the GPU computes. Without it (CPU) a call launches, collects and
-        reports one step. A pipeline (`microbatches` > 1) launches a step on requests not in flight, and
-        collects the oldest once `microbatches` are in flight: each stage works on another step.
+        reports one step. A pipeline (`microbatches` > 1) launches a step on requests not in
+        flight, and collects the oldest once `microbatches` are in flight: each stage works on
+        another step.
         """
         grammar = any(s.grammar is not None for s in self._samples.values())
         if self.microbatches > 1 and self.proposer is None and not grammar:
-            waiting = len(self.scheduler.running) + len(self.scheduler.waiting)
-            launched = self._launch(max(1, -(-waiting // self.microbatches)))
+            requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+            launched = self._launch(max(1, -(-requests // self.microbatches)))  # 1/M of them each
             owners = self._collect() if len(self._launched) >= self.microbatches or not launched else []
         elif self.overlap and not grammar:
             owners = self._collect()
