@@ -47,10 +47,11 @@ def run(eng: LLMEngine, prompts, params):
     return tokens
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2xtp2"])
-def test_stages_on_ray_equal_one_process_and_serve_their_own_kv(local_ray, tiny_qwen2_4l_dir, tp):
-    """With tp=2 each stage is two ranks on its node: the stage actor starts its second rank itself, and serves
-    the KV of both (their head ranges) from its sender."""
+def test_stages_on_ray_equal_one_process_and_serve_their_own_kv(local_ray, tiny_qwen2_4l_dir):
+    """Two stages of two ranks: the stage actor starts its second rank itself, forwards it each step, and serves
+    the KV of both (their head ranges) from its sender. (One rank per stage runs across three hosts in
+    tests/multihost/test_stages_across_hosts.py.)"""
+    tp = 2
     prompts = tiny_prompts()
     forks = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
     params = [GREEDY] * (len(prompts) - 3) + [SEEDED, forks, forks]
@@ -72,7 +73,7 @@ def test_stages_on_ray_equal_one_process_and_serve_their_own_kv(local_ray, tiny_
         expected_blocks, _ = one.lease_cached_prefix("x", prompt[0])
         assert len(blocks) == len(expected_blocks) == 2
         shards = staged.runner.kv_shards()
-        pool = shards[0] if tp == 1 else ShardedKV(shards)
+        pool = ShardedKV(shards)
         layout = KVLayout.of_kv_cache(pool, Path(staged.model_path).name)
         sides = open_sides(pool, layout, CONFIG, staged.runner.remote_stages())
         info = sides.sender.peer_info()
