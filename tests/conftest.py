@@ -21,9 +21,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 MODEL_CLUSTER_TESTS = ("tests/cluster/", "tests/chaos/", "tests/multihost/")
-"""Tests that start clusters of SmolLM2 workers (~1.2 GB each): under xdist they run in one pytest worker,
+"""Tests that start clusters of workers: under xdist those of SmolLM2 (~1.2 GB each) run in one pytest worker,
 one after another, as they do without it (two of the largest at once would not fit in our 24 GB beside the
-rest). Their package fixtures (one cluster shared by a package's modules) start once."""
+rest); tests/multihost (tiny models on its three-host Ray cluster) is a group of its own beside them. Their
+package fixtures (one cluster shared by a package's modules) start once."""
 FREE_CLUSTER_TESTS = ("tests/cluster/test_model_families_cluster.py", "tests/cluster/test_tensor_parallel_cluster.py",
                       "tests/cluster/test_kv_tiers_cluster.py")
 """Small clusters (tiny random checkpoints, or two workers) that may run beside the others: the two pytest
