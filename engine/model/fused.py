@@ -14,8 +14,9 @@ compiler targets them, scalar elsewhere), each one pass with float32 math:
                  the rotated K and V into their cache slots
 
 They are CPU-only: `load_fused_ops` returns None for any other device (CUDA keeps
-its own path), for dtypes other than float32/bfloat16, when the kernels cannot be
-built, or when PDSERVE_FUSED=0. The unfused ops they must equal are
+its own path, or with PDSERVE_FUSED_CUDA=1 runs the same four ops as Triton kernels,
+engine/model/fused_triton.py), for dtypes other than float32/bfloat16, when the
+kernels cannot be built, or when PDSERVE_FUSED=0. The unfused ops they must equal are
 `engine.model.llama.rms_norm`, `F.silu(gate) * up` and `RotaryEmbedding.apply`.
 """
 from __future__ import annotations
@@ -64,9 +65,15 @@ class FusedOps:
                                    k_cache, v_cache, slot_blocks, slot_offsets)
 
 
-def load_fused_ops(device: torch.device, dtype: torch.dtype) -> FusedOps | None:
-    """The fused ops for this device and dtype, or None where the unfused torch ops must run."""
-    if device.type != "cpu" or dtype not in FUSED_DTYPES or not fused_enabled():
+def load_fused_ops(device: torch.device, dtype: torch.dtype):
+    """The fused ops for this device and dtype (`FusedOps`, or on CUDA with PDSERVE_FUSED_CUDA=1 the Triton
+    ones of fused_triton.py), or None where the unfused torch ops must run."""
+    if dtype not in FUSED_DTYPES and dtype != torch.float16 or not fused_enabled():
+        return None
+    if device.type == "cuda" and os.environ.get("PDSERVE_FUSED_CUDA") == "1":  # until a GPU has run them
+        from engine.model.fused_triton import TritonFusedOps
+        return TritonFusedOps()
+    if device.type != "cpu" or dtype not in FUSED_DTYPES:
         return None
     module = cpu_kernels.load()
     if module is None or not hasattr(module, "silu_and_mul"):

@@ -135,7 +135,7 @@ class LlamaModel:
         A pipeline stage after the first starts from `hidden` (the residual stream [tokens, hidden_size] the
         stage before returned) instead of embedding `input_ids`; one before the last returns its own.
         """
-        if self.fused is not None and positions.device.type == "cpu":
+        if self.fused is not None:
             return self._forward_fused(self.fused, input_ids, positions, kv_cache, meta, logits_indices, hidden)
         cfg = self.config
         x = self.embed_tokens(input_ids) if hidden is None else hidden
