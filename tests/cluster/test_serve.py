@@ -64,7 +64,8 @@ def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, tiny_qwen2_di
         assert done.returncode == 1  # the bad line
         assert "line 3: field 'temperature'" in done.stderr
         out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-        assert [o["id"] for o in out] == ["a", "b"] + ["json"] * 10 + ["pick"]
+        assert [o["id"] for o in out] == ["a", "b"] + ["json"] * 10 + ["pick"], (
+            done.stderr[-3000:] + "".join(proc.output[-30:]))  # why a line failed: the client's and serve's words
         for o in out[2:12]:  # structured outputs through serve's 1P1D: every sample validates
             assert o["finish_reason"] == "stop"
             jsonschema.validate(json.loads(o["text"]), PERSON)
