@@ -42,8 +42,11 @@ def assert_plaintext_callers_refused(proc, code: grpc.StatusCode) -> None:
 
 def test_serve_places_workers_with_ray_and_stops_cleanly(tmp_path, tiny_qwen2_dir):
     metrics_port, http_port = free_port(), free_port()
+    # The JSON line is the workers' first constraint to compile; on a busy machine that may pass the 10 s default
+    # (a stated slack: 120 s)
     proc = start("serve", ["serve", "--prefill", "1", "--decode", "1", "--port", "0", "--metrics-port",
-                           str(metrics_port), "--http-port", str(http_port), *with_model(tiny_qwen2_dir)])
+                           str(metrics_port), "--http-port", str(http_port), "--grammar-timeout-s", "120",
+                           *with_model(tiny_qwen2_dir)])
     try:
         assert any(f"OpenAI API at http://127.0.0.1:{http_port}/v1" in line for line in proc.output)
         models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30))
