@@ -5,7 +5,8 @@ Needs no download: builds a random-weight Llama-shaped checkpoint (--size
 copies a tokenizer beside it (--tokenizer-dir, default the bundled SmolLM2's).
 Workload (issue 14): --num-requests submitted together, prompts of random
 tokens 128-1024, outputs 64-256, greedy, ignore_eos. Systems:
-  pdserve-<backend>  the engine (continuous batching, paged KV, CUDA graphs);
+  pdserve-<backend>  the engine (continuous batching, paged KV, CUDA graphs), with
+                     the fused Triton elementwise kernels off and on (+fused; --fused);
   hf-static          transformers `generate` on left-padded batches of 64;
   hf-naive           transformers one request at a time (a --naive-requests subset).
 Also one decode step at a fixed batch (--step-batch x --step-context): wall time
@@ -60,8 +61,13 @@ def build_checkpoint(size: str, dest: Path, tokenizer_dir: Path) -> Path:
     config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
                          bos_token_id=1, eos_token_id=2, dtype="bfloat16", **SHAPES[size])
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: an 8B model in float32 alone would be 32 GB
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
@@ -112,7 +118,7 @@ def decode_step_times(engine: LLMEngine, batch: int, context: int, repeats: int 
     """Wall time of engine.step() with `batch` sequences decoding at ~`context` tokens, and the GPU time
     of the model alone for the same step (replayed back to back, no host work in between)."""
     rng = random.Random(1)
-    params = SamplingParams(temperature=0, max_tokens=repeats + 20, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2 * repeats + 20, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"step{i}", [rng.randrange(3, VOCAB) for _ in range(context - 1)], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
@@ -121,18 +127,18 @@ def decode_step_times(engine: LLMEngine, batch: int, context: int, repeats: int 
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
-    profiler = None
-    if profile:
-        import cProfile
-        profiler = cProfile.Profile()
-        profiler.enable()
     start = time.perf_counter()
     for _ in range(repeats):
         engine.step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / repeats
-    if profiler is not None:
+    if profile:  # other steps than the timed ones: cProfile slows the host several times over
+        import cProfile
         import pstats
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(repeats):
+            engine.step()
         profiler.disable()
         print(f"host profile of {repeats} decode steps at batch {batch}:")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
@@ -198,6 +204,10 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--fused", nargs="+", default=["off", "on"], choices=["off", "on"],
+                    help="the fused Triton elementwise kernels (PDSERVE_FUSED_CUDA) off and/or on, one engine each")
+    ap.add_argument("--static-requests", type=int, default=None,
+                    help="run hf-static on the first N requests only (its rate is per output token)")
     ap.add_argument("--static-batch", type=int, default=64)
     ap.add_argument("--naive-requests", type=int, default=8)
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf-naive", "hf-static", "step"])
@@ -218,18 +228,21 @@ def main() -> int:
                     args.peak_tbps * 1e12)
     results, steps = {}, {}
     for backend in args.backends:
-        engine = make_engine(model_dir, backend, args)
-        results[f"pdserve-{backend}"] = run_pdserve(engine, work)
-        if "step" not in args.skip:
-            steps[f"pdserve-{backend}"] = decode_step_times(engine, args.step_batch, args.step_context,
-                                                            profile=args.profile)
-        del engine
-        torch.cuda.empty_cache()
+        for fused in args.fused:
+            os.environ["PDSERVE_FUSED_CUDA"] = "1" if fused == "on" else "0"
+            name = f"pdserve-{backend}" + ("+fused" if fused == "on" else "")
+            engine = make_engine(model_dir, backend, args)
+            results[name] = run_pdserve(engine, work)
+            if "step" not in args.skip:
+                steps[name] = decode_step_times(engine, args.step_batch, args.step_context, profile=args.profile)
+            engine.shutdown()
+            del engine
+            torch.cuda.empty_cache()
     if "hf-static" not in args.skip or "hf-naive" not in args.skip:
         from bench.offline_throughput import load_hf
         model = load_hf(model_dir, "bfloat16").to("cuda")
         if "hf-static" not in args.skip:
-            results["hf-static"] = run_hf_static(model, work, args.static_batch)
+            results["hf-static"] = run_hf_static(model, work[:args.static_requests], args.static_batch)
         if "hf-naive" not in args.skip:
             results["hf-naive"] = run_hf_naive(model, work[:args.naive_requests])
     for r in results.values():
@@ -241,10 +254,10 @@ def main() -> int:
     print(f"roofline: {roof['prefill_tflop']:.0f} TFLOP prefill ({roof['t_prefill_s']:.2f} s at {args.peak_tflops:.0f} "
           f"TFLOP/s) + decode {roof['t_decode_s']:.2f} s at {args.peak_tbps} TB/s = {roof['output_tok_s']:,.0f} "
           "output tok/s")
-    print(f"{'system':<16} {'time s':>8} {'out tok/s':>10} {'of roofline':>12} {'vs hf-static':>13}")
+    print(f"{'system':<22} {'time s':>8} {'out tok/s':>10} {'of roofline':>12} {'vs hf-static':>13}")
     for name, r in results.items():
         ratio = f"{r['output_tok_s'] / static:.1f}x" if static else "-"
-        print(f"{name:<16} {r['elapsed_s']:>8.2f} {r['output_tok_s']:>10,.0f} {r['fraction_of_roofline']:>12.1%} "
+        print(f"{name:<22} {r['elapsed_s']:>8.2f} {r['output_tok_s']:>10,.0f} {r['fraction_of_roofline']:>12.1%} "
               f"{ratio:>13}")
     for name, r in results.items():
         if "graph_steps" in r:

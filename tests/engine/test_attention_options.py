@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ POISON = 1
 """The block every table entry wholly before a window points at: all NaN (block 0 stays finite: decode
 tables are padded with it)."""
 X86 = platform.machine() in ("x86_64", "AMD64")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Compiled Triton reads device memory only: on a GPU host the Triton backend's steps move there."""
 
 CASES = {
     # name: (query lens, context lens)
@@ -172,9 +175,18 @@ def torch_backend(kind, avx2_kernel_fixture=None, heads=H, kv_heads=HKV):
     return backend
 
 
-def run(backend, step: Step, layer: LayerAttention):
-    return backend.forward(step.q, step.new_k, step.new_v, step.k_cache, step.v_cache, step.meta(), step.kv_scales,
-                           layer)
+def run(backend, step: Step, layer: LayerAttention, device: str = "cpu"):
+    """The backend's output for the step, computed on `device` (returned on the CPU)."""
+    meta = step.meta()
+    if device != "cpu":
+        for f in fields(meta):
+            if isinstance(getattr(meta, f.name), torch.Tensor):
+                setattr(meta, f.name, getattr(meta, f.name).to(device))
+        meta.prefills = [replace(span, block_table=span.block_table.to(device)) for span in meta.prefills]
+        if layer.sinks is not None:
+            layer = replace(layer, sinks=layer.sinks.to(device))
+    q, k, v, k_cache, v_cache = (t.to(device) for t in (step.q, step.new_k, step.new_v, step.k_cache, step.v_cache))
+    return backend.forward(q, k, v, k_cache, v_cache, meta, step.kv_scales, layer).cpu()
 
 
 TORCH_KINDS = ["kernel", "kernel-avx2", "sdpa"]
@@ -280,7 +292,7 @@ def triton_backend():
 def test_triton_matches_reference(case, option, triton_backend):
     layer = LayerAttention(**OPTIONS[option])
     step = Step(*CASES[case], layer.window, torch.float32, seed=len(case) + len(option))
-    step.check(run(triton_backend(H, HKV, D, SCALE), step, layer), layer, 1e-4)
+    step.check(run(triton_backend(H, HKV, D, SCALE), step, layer, TRITON_DEVICE), layer, 1e-4)
 
 
 @pytest.mark.parametrize("case", ["decode", "mixed"])
@@ -288,4 +300,4 @@ def test_triton_bf16_and_mha(case, triton_backend):
     for heads, kv_heads in ((H, HKV), (4, 4)):
         layer = LayerAttention(window=20, sinks=torch.linspace(-1, 2, heads), softcap=1.5)
         step = Step(*CASES[case], layer.window, torch.bfloat16, heads=heads, kv_heads=kv_heads, seed=heads)
-        step.check(run(triton_backend(heads, kv_heads, D, SCALE), step, layer), layer, 3e-2)
+        step.check(run(triton_backend(heads, kv_heads, D, SCALE), step, layer, TRITON_DEVICE), layer, 3e-2)

