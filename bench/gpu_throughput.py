@@ -5,8 +5,9 @@ Needs no download: builds a random-weight Llama-shaped checkpoint (--size
 copies a tokenizer beside it (--tokenizer-dir, default the bundled SmolLM2's).
 Workload (issue 14): --num-requests submitted together, prompts of random
 tokens 128-1024, outputs 64-256, greedy, ignore_eos. Systems:
-  pdserve-<backend>  the engine (continuous batching, paged KV, CUDA graphs), with
-                     the fused Triton elementwise kernels off and on (+fused; --fused);
+  pdserve-<backend>  the engine (continuous batching, paged KV, CUDA graphs), with the fused
+                     Triton elementwise kernels off and on (+fused; --fused) and async
+                     scheduling off and on (+async; --async-scheduling);
   hf-static          transformers `generate` on left-padded batches of 64;
   hf-naive           transformers one request at a time (a --naive-requests subset).
 Also one decode step at a fixed batch (--step-batch x --step-context): wall time
@@ -19,6 +20,7 @@ back to back), and the roofline both are measured against: prefill FLOPs at
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -206,6 +208,8 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--fused", nargs="+", default=["off", "on"], choices=["off", "on"],
                     help="the fused Triton elementwise kernels (PDSERVE_FUSED_CUDA) off and/or on, one engine each")
+    ap.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["off", "on"],
+                    help="async scheduling off (step N collected before N+1 is launched) and/or on, one engine each")
     ap.add_argument("--static-requests", type=int, default=None,
                     help="run hf-static on the first N requests only (its rate is per output token)")
     ap.add_argument("--static-batch", type=int, default=64)
@@ -227,17 +231,17 @@ def main() -> int:
     roof = roofline(args.size, work, args.step_batch, args.step_context, args.peak_tflops * 1e12,
                     args.peak_tbps * 1e12)
     results, steps = {}, {}
-    for backend in args.backends:
-        for fused in args.fused:
-            os.environ["PDSERVE_FUSED_CUDA"] = "1" if fused == "on" else "0"
-            name = f"pdserve-{backend}" + ("+fused" if fused == "on" else "")
-            engine = make_engine(model_dir, backend, args)
-            results[name] = run_pdserve(engine, work)
-            if "step" not in args.skip:
-                steps[name] = decode_step_times(engine, args.step_batch, args.step_context, profile=args.profile)
-            engine.shutdown()
-            del engine
-            torch.cuda.empty_cache()
+    for backend, fused, asynchronous in itertools.product(args.backends, args.fused, args.async_scheduling):
+        os.environ["PDSERVE_FUSED_CUDA"] = "1" if fused == "on" else "0"
+        name = f"pdserve-{backend}" + ("+fused" if fused == "on" else "") + ("+async" if asynchronous == "on" else "")
+        engine = make_engine(model_dir, backend, args)
+        engine.async_scheduling = engine.async_scheduling and asynchronous == "on"
+        results[name] = run_pdserve(engine, work)
+        if "step" not in args.skip:
+            steps[name] = decode_step_times(engine, args.step_batch, args.step_context, profile=args.profile)
+        engine.shutdown()
+        del engine
+        torch.cuda.empty_cache()
     if "hf-static" not in args.skip or "hf-naive" not in args.skip:
         from bench.offline_throughput import load_hf
         model = load_hf(model_dir, "bfloat16").to("cuda")
@@ -254,10 +258,10 @@ def main() -> int:
     print(f"roofline: {roof['prefill_tflop']:.0f} TFLOP prefill ({roof['t_prefill_s']:.2f} s at {args.peak_tflops:.0f} "
           f"TFLOP/s) + decode {roof['t_decode_s']:.2f} s at {args.peak_tbps} TB/s = {roof['output_tok_s']:,.0f} "
           "output tok/s")
-    print(f"{'system':<22} {'time s':>8} {'out tok/s':>10} {'of roofline':>12} {'vs hf-static':>13}")
+    print(f"{'system':<28} {'time s':>8} {'out tok/s':>10} {'of roofline':>12} {'vs hf-static':>13}")
     for name, r in results.items():
         ratio = f"{r['output_tok_s'] / static:.1f}x" if static else "-"
-        print(f"{name:<22} {r['elapsed_s']:>8.2f} {r['output_tok_s']:>10,.0f} {r['fraction_of_roofline']:>12.1%} "
+        print(f"{name:<28} {r['elapsed_s']:>8.2f} {r['output_tok_s']:>10,.0f} {r['fraction_of_roofline']:>12.1%} "
               f"{ratio:>13}")
     for name, r in results.items():
         if "graph_steps" in r:

@@ -1,15 +1,24 @@
 """One engine step: schedule, launch the model, collect and sample (mixed into LLMEngine, engine/llm_engine.py).
 
 A launched step waits in `_launched` until collected: at once on CPU; with `overlap` (CUDA) the next call
-collects it while the GPU is free to run the next; with pipeline stages (`microbatches` > 1) several steps of
-different requests are in flight, one per stage, and the oldest is collected once the pipeline is full. A
-request in a launched step is not scheduled again before that step is collected (its next token is unknown).
+collects it; with pipeline stages (`microbatches` > 1) several steps of different requests are in flight, one
+per stage, and the oldest is collected once the pipeline is full. A request in a launched step is not scheduled
+again before that step is collected (its next token is unknown), except under async scheduling.
+
+Async scheduling (`overlap` on one device, vLLM's async scheduler): step N's tokens are drawn on the device as
+soon as it is launched, copied to pinned memory behind an event. The next call schedules step N+1 and launches
+it before reading them: a request of step N that may go on (`_may_continue`: no grammar, penalties, forks or
+proposals, not at its last token) decodes its pending token, its input id copied on the device from step N's
+draw. Only then does the host wait, for step N's event alone, and accept, stop-check and detokenize step N
+while the device computes step N+1. A request that stopped at step N had one more token computed in step N+1;
+it is dropped when collected (its blocks were freed: later steps reuse them only after it, on the same stream).
 """
 from __future__ import annotations
 
 import torch
 
 from engine import prompt_logprobs
+from engine.model_runner import PendingInputs
 from engine.outputs import SampleDelta
 from engine.sample_state import SampleState, whole_logit_rows
 from engine.sampler import SampledToken, SampleRow, SpecRow
@@ -35,6 +44,9 @@ class EngineSteps:
             requests = len(self.scheduler.running) + len(self.scheduler.waiting)
             launched = self._launch(max(1, -(-requests // self.microbatches)))  # 1/M of them each
             owners = self._collect() if len(self._launched) >= self.microbatches or not launched else []
+        elif self.async_scheduling and not grammar:
+            launched = self._launch()  # step N+1, before step N's tokens are read
+            owners = self._collect() if len(self._launched) > 1 or not launched else []
         elif self.overlap and not grammar:
             owners = self._collect()
             self._launch()
@@ -59,7 +71,8 @@ class EngineSteps:
         if self.proposer is not None:
             propose(self.proposer, self.scheduler.running, self.config.speculative.num_speculative_tokens,
                     self.max_model_len)
-        out = self.scheduler.schedule(self._in_flight, max_requests)
+        continuing = self._continuing()
+        out = self.scheduler.schedule(self._in_flight, max_requests, continuing)
         if not out.scheduled:
             return False
         # before finish_step advances them: (item, samples, rows of logits, first position)
@@ -73,7 +86,9 @@ class EngineSteps:
                 jobs.append((grammar, item.spec_token_ids))
         masks = self.step_masks.start(jobs)  # filled while the model runs
         whole = whole_logit_rows(plan, self._samples, self._suppressed) if self.runner.stage is not None else None
-        logits = self.runner.execute(out, self.kv, whole, defer=self.microbatches > 1)
+        pending = self._pending_inputs(out, continuing) if continuing else None
+        self.num_continued_tokens += len(pending.positions) if pending is not None else 0
+        logits = self.runner.execute(out, self.kv, whole, defer=self.microbatches > 1, pending=pending)
         self.scheduler.finish_step(out)
         self.num_steps += 1
         rows, owners, spec_rows, spec_owners, prompt_rows = [], [], [], [], []
@@ -104,29 +119,77 @@ class EngineSteps:
                                       None if job is None else masks.first_row(job)))
                 owners.append(sample)
             row += 1
+        for sample in owners:
+            sample.request.num_pending_tokens += 1
+        draw = None
+        if self.async_scheduling and masks is None:
+            draw = self.sampler.draw(logits, rows)  # queued now: step N+1 reads these tokens on the device
+            if prompt_rows:  # a graph's logits buffer is overwritten by the next replay
+                logits = logits.clone()
+        self._last_draw = (draw, {s.request.request_id: i for i, s in enumerate(owners)}) if draw else None
         ids = {item.request.request_id for item in out.scheduled} | {s.request.request_id for s in owners}
-        self._in_flight |= ids
-        self._launched.append((logits, rows, owners, spec_rows, spec_owners, masks, prompt_rows, ids))
+        self._in_flight.update(ids)
+        self._launched.append((logits, rows, owners, spec_rows, spec_owners, masks, prompt_rows, ids, draw))
         return True
+
+    def _continuing(self) -> set[str]:
+        """Async scheduling: the requests of the newest launched step (still in flight) that may decode their
+        pending token in the next step."""
+        if self._last_draw is None:
+            return set()
+        return {rid for rid in self._last_draw[1] if rid in self._in_flight and self._may_continue(rid)}
+
+    def _may_continue(self, request_id: str) -> bool:
+        """Whether a request's next step may be computed before its pending token is known: nothing about that
+        step depends on the token (no grammar, penalties, bias, forks, min_tokens still suppressing stop ids)
+        and the token cannot be its last by length."""
+        sample = self._samples.get(request_id)
+        if sample is None or sample.grammar is not None or sample.context is not None:
+            return False
+        request, params = sample.request, sample.request.params
+        return (not request.is_finished and not request.prefill_only and not request.pending_forks
+                and request.num_pending_tokens == 1 and request.num_output_tokens >= params.min_tokens
+                and request.num_output_tokens + 1 < params.max_tokens and request.num_tokens + 1 < self.max_model_len)
+
+    def _pending_inputs(self, out, continuing: set[str]) -> PendingInputs | None:
+        """Where in the step's packed input ids the continuing requests' pending tokens go, and from which row
+        of the step before's draw."""
+        draw, row_of = self._last_draw
+        positions, rows, t = [], [], 0
+        for item in out.scheduled:
+            rid = item.request.request_id
+            if rid in continuing and item.request.num_computed_tokens == item.request.num_tokens:
+                positions.append(t)
+                rows.append(row_of[rid])
+            t += item.num_new_tokens
+        return PendingInputs(positions, draw.token_ids, rows) if positions else None
 
     def _collect(self) -> list[SampleState]:
         """Sample the launched step (waiting for the model) and accept each token; the samples that took one."""
         if not self._launched:
             return []
-        logits, rows, owners, spec_rows, spec_owners, masks, prompt_rows, ids = self._launched.popleft()
-        self._in_flight -= ids
+        logits, rows, owners, spec_rows, spec_owners, masks, prompt_rows, ids, draw = self._launched.popleft()
+        self._in_flight.subtract(ids)
+        for rid in ids:
+            if not self._in_flight[rid]:
+                del self._in_flight[rid]
         logits = self.runner.collect(logits)
         for sample, first_row, num_rows, start, done in prompt_rows:
             prompt_logprobs.record(sample, logits[first_row:first_row + num_rows], start, done)
-        bitmask = masks.wait() if masks is not None else None
-        tokens = self.sampler.sample(logits, rows, bitmask)
+        if draw is not None:
+            tokens = draw.results()  # waits for this step's sampling alone
+        else:
+            tokens = self.sampler.sample(logits, rows, masks.wait() if masks is not None else None)
         accepted = []
         for sample, token in zip(owners, tokens, strict=True):
-            if not sample.request.is_finished:  # not aborted while the step ran
+            sample.request.num_pending_tokens -= 1
+            if not sample.request.is_finished:  # not aborted (nor stopped, under async scheduling) meanwhile
                 self._accept(sample, token)
                 accepted.append(sample)
+                if self.async_scheduling and not sample.request.is_finished:
+                    self.scheduler.cache_known_blocks(sample.request)  # a block the token completed
         if spec_rows:
-            verified = self.sampler.verify(logits, spec_rows, bitmask)
+            verified = self.sampler.verify(logits, spec_rows, masks.wait() if masks is not None else None)
             for sample, spec_row, emitted in zip(spec_owners, spec_rows, verified, strict=True):
                 if sample.request.is_finished:
                     continue

@@ -17,7 +17,7 @@ proposed tokens; accepted ones pass the same stop rules one by one, rejected KV 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -86,14 +86,22 @@ class LLMEngine(EngineSteps, KVViews):
         self._launched: deque[tuple] = deque()
         """Launched steps not yet collected, oldest first: (logits, sample rows, owners, spec rows, spec owners,
         masks, prompt rows, request ids)."""
-        self._in_flight: set[str] = set()
-        """Requests in a launched step: not scheduled again before it is collected."""
+        self._in_flight: Counter[str] = Counter()
+        """Requests in launched steps (how many): not scheduled again before collected, unless continuing."""
         pp = config.pipeline_parallel_size
         self.microbatches = (config.pipeline_microbatches or pp) if pp > 1 else 1
         """Steps a pipeline keeps in flight (each stage works on another); 1: one at a time."""
         self._collected_early: list[SampleState] = []
         self.proposer: Proposer | None = make_proposer(self.config, self.model_config, self.max_model_len,
                                                          self.runner.num_blocks)
+        self.async_scheduling = (self.overlap and self.microbatches == 1 and self.proposer is None
+                                 and self.runner.peers is None and self.runner.stage is None)
+        """Step N+1 launched before step N's tokens are read (engine/engine_steps.py); with proposals or other
+        ranks, `overlap` collects step N first (the proposer needs its tokens; other ranks get inputs on the host)."""
+        self._last_draw = None
+        self.num_continued_tokens = 0
+        """Async scheduling: tokens computed in a step launched before they were known (read on the device)."""
+        """Async scheduling: (the newest launched step's Draw, request id -> its row there), or None."""
         self.num_spec_draft_tokens = 0
         """Speculative decoding: tokens proposed and verified so far."""
         self.num_spec_accepted_tokens = 0

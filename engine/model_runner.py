@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,25 @@ from engine.scheduler import SchedulerOutput
 from engine.varlen_inputs import VarlenInputBuilder
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingInputs:
+    """Async scheduling: step inputs that are tokens the step before sampled, known only on the device yet."""
+
+    positions: list[int]
+    """Where in the step's packed input ids each one goes."""
+    token_ids: torch.Tensor
+    """The step before's sampled tokens (`Draw.token_ids`), on the device."""
+    rows: list[int]
+    """Which of them each position takes."""
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        """Queue the copies on the device (after the step before's sampling, before this step's forward)."""
+        index = torch.tensor([self.rows, self.positions], dtype=torch.long)
+        if input_ids.is_cuda:  # from pinned memory, without waiting for the work already queued
+            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        input_ids[index[1]] = self.token_ids[index[0]].to(input_ids.dtype)
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -144,20 +164,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager, whole_rows: torch.Tensor | None = None,
-                defer: bool = False) -> torch.Tensor | PendingLogits:
+                defer: bool = False, pending: PendingInputs | None = None) -> torch.Tensor | PendingLogits:
         """Run one step; return logits in scheduled order: one row per sampling request, 1 + K rows for a
         request verifying K proposed tokens. `whole_rows` (pipeline parallelism): per row, whether the sampler
         reads more than its argmax; the other rows come back as -inf but 0 at the argmax (only it crosses).
         `defer` (pipeline parallelism): return once this stage's part is sent on, the logits to come
-        (`collect`, in launch order), so the next step can start here while the other stages work."""
+        (`collect`, in launch order), so the next step can start here while the other stages work.
+        `pending` (async scheduling): input tokens sampled by the step before, still on the device."""
         self._copy_blocks(out.block_copies)
         if self.varlen is not None:
             step = self.varlen.build(out, kv)
+            if pending is not None:
+                pending.write(step.input_ids)
             if self.graphs is not None and self.graphs.can_run(step):
                 self.num_graph_steps += 1
                 return self.graphs.run(step)
         else:
             step = self.paged.build(out, kv)
+            if pending is not None:
+                pending.write(step.input_ids)
         inputs = step.input_ids, step.positions, step.meta, step.logits_indices
         input_ids, positions, meta, logits_indices = inputs
         if self.peers is not None:

@@ -17,7 +17,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.kv_cache_manager import KVCacheManager
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import PENDING_TOKEN, SchedulerOutput
 
 
 @dataclass
@@ -65,7 +65,7 @@ class PagedInputBuilder:
             req = item.request
             start, n = req.num_computed_tokens, item.num_new_tokens
             if n == 1:
-                ids[t] = req.all_token_ids[start]
+                ids[t] = req.all_token_ids[start] if start < len(req.all_token_ids) else PENDING_TOKEN
                 pos[t] = start
                 blocks[t] = table[start // bs]
                 slots[t] = start % bs

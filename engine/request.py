@@ -58,6 +58,9 @@ class Request:
     """Mixed into the first block hash: only requests with the same salt share prefix-cache blocks."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed next tokens (speculative decoding) for the coming step; the scheduler takes them."""
+    num_pending_tokens: int = 0
+    """Tokens sampled by launched steps not yet collected (async scheduling): unknown here, yet a step may
+    already compute the next position, its input patched in on the device (engine/engine_steps.py)."""
     prompt_logprobs_pending: bool = False
     """prompt_logprobs asked for and the prompt not computed yet: every prompt position computes logits
     (the request skips the prefix cache)."""

@@ -54,6 +54,37 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+@dataclass
+class Draw:
+    """One step's drawn tokens (`Sampler.draw`): on the device now, read by `results`."""
+
+    token_ids: torch.Tensor
+    """[rows] int64 on the logits' device."""
+    rows: list[SampleRow]
+    host: torch.Tensor | None = None
+    """CUDA: a pinned copy of token_ids, filled once `event` has passed (no wait on later work)."""
+    event: torch.cuda.Event | None = None
+    logprobs: tuple | None = None
+    """(row indices wanting logprobs, chosen [n, 1], top ids [n, k], top values [n, k]) on the device."""
+
+    def results(self) -> list[SampledToken]:
+        """The tokens (and logprobs asked for), waiting for this step's sampling only."""
+        if self.event is not None:
+            self.event.synchronize()
+            token_list = self.host.tolist()
+        else:
+            token_list = self.token_ids.tolist()
+        results = [SampledToken(t) for t in token_list]
+        if self.logprobs is not None:
+            want, chosen, top_ids, top_vals = self.logprobs
+            chosen, top_ids, top_vals = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
+            for j, i in enumerate(want):
+                n = self.rows[i].params.logprobs
+                results[i].logprob = chosen[j][0]
+                results[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        return results
+
+
 class Sampler:
     def __init__(self, default_seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device).manual_seed(default_seed)
@@ -61,19 +92,25 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow],
                bitmask: torch.Tensor | None = None) -> list[SampledToken]:
         """One token per row; `bitmask` holds the grammar rows the rows' `bitmask_row` point at."""
+        return self.draw(logits, rows, bitmask).results()
+
+    def draw(self, logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> Draw:
+        """`sample` without waiting: the tokens are drawn on the logits' device (queued after the step) and read
+        when `Draw.results` is called; until then `Draw.token_ids` holds them there (the next step's inputs)."""
         if not rows:
-            return []
+            return Draw(logits.new_empty(0, dtype=torch.long), [])
         order = [r.logits_row for r in rows]
         edited = [r.context is not None or r.bitmask_row is not None for r in rows]
         if order != list(range(logits.shape[0])):  # rows repeat (parallel samples) or skip: gather them
-            logits = logits[torch.tensor(order, device=logits.device)]
+            logits = logits[on_device(order, logits.device)]
         elif any(r.suppress_token_ids for r in rows) or any(edited):
             logits = logits.clone()  # masked below; the model's (inference-mode) output stays as it was
         if any(edited):
             logits = logits.float()  # penalties and biases in float32, as vLLM's formulas are
-        for i, row in enumerate(rows):
-            if row.suppress_token_ids:
-                logits[i, row.suppress_token_ids] = float("-inf")
+        suppressed = [(i, t) for i, row in enumerate(rows) for t in row.suppress_token_ids]
+        if suppressed:
+            index = on_device(suppressed, logits.device)
+            logits[index[:, 0], index[:, 1]] = float("-inf")
         masked = [i for i, r in enumerate(rows) if r.bitmask_row is not None]
         if masked:
             logits_processors.apply_bitmask(logits, bitmask[[rows[i].bitmask_row for i in masked]], masked)
@@ -83,14 +120,22 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            token_ids[random_rows] = self._sample_random(logits[random_rows].float(),
-                                                         [rows[i] for i in random_rows])
-        token_list = token_ids.tolist()
-        results = [SampledToken(t) for t in token_list]
+            index = on_device(random_rows, logits.device)
+            token_ids[index] = self._sample_random(logits[index].float(), [rows[i] for i in random_rows])
+        draw = Draw(token_ids, rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
-            self._add_logprobs(logits[want].float(), [rows[i] for i in want], [results[i] for i in want])
-        return results
+            index = on_device(want, logits.device)
+            logprobs = logits[index].float().log_softmax(dim=-1)
+            top_vals, top_ids = logprobs.topk(max(max(rows[i].params.logprobs for i in want), 1), dim=-1)
+            chosen = logprobs.gather(1, token_ids[index][:, None])
+            draw.logprobs = (want, chosen, top_ids, top_vals)
+        if token_ids.is_cuda:  # the tokens come back through pinned memory; an event says when
+            draw.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            draw.host.copy_(token_ids, non_blocking=True)
+            draw.event = torch.cuda.Event()
+            draw.event.record()
+        return draw
 
     def verify(self, logits: torch.Tensor, rows: list[SpecRow],
                bitmask: torch.Tensor | None = None) -> list[list[int]]:
@@ -123,7 +168,7 @@ class Sampler:
         torch.empty(1, vocab_size, device=generator.device).exponential_(generator=generator)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        temps = on_device([r.params.temperature for r in rows], logits.device, torch.float32)
         logits = logits / temps[:, None]
         min_ps = [r.params.min_p for r in rows]
         if any(min_ps):
@@ -136,32 +181,29 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator)
+            shared = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            noise[on_device(unseeded, probs.device)] = shared.exponential_(generator=self.generator)
         for i, r in enumerate(rows):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
 
-    def _add_logprobs(self, logits, rows, results) -> None:
-        logprobs = logits.log_softmax(dim=-1)
-        max_n = max(r.params.logprobs for r in rows)
-        top_vals, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor([[res.token_id] for res in results], device=logits.device))
-        for i, (row, res) in enumerate(zip(rows, results, strict=True)):
-            n = row.params.logprobs
-            res.logprob = float(chosen[i, 0])
-            res.top_logprobs = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
-
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     vocab = logits.shape[1]
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+    ks = on_device([k if k > 0 else vocab for k in top_ks], logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
-    ps = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
+    ps = on_device(top_ps, logits.device, logits.dtype)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= ps[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a tensor on `device`; to a GPU through pinned memory, without waiting for the work
+    already queued there (a plain `torch.tensor(..., device=cuda)` waits for the stream: no overlap left)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor

@@ -30,6 +30,11 @@ table is shipped to a decode worker.
 Pipeline micro-batches (the engine with pipeline_parallel_size K keeps several steps in flight): a step skips
 the requests still in flight (their next token is not sampled yet) and never preempts one, and takes at most
 `max_requests` of the others, so consecutive steps hold different requests.
+
+Async scheduling (the engine schedules step N+1 before collecting step N): a request in flight that is
+`continuing` decodes its pending token (`num_pending_tokens`: sampled by step N, known only on the device)
+in step N+1, if a slot is free for it without preempting; its input is patched in on the device. Blocks are
+registered for the prefix cache only once their tokens are known.
 """
 from __future__ import annotations
 
@@ -56,7 +61,8 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """True when this step computes the request's last token (so it samples)."""
         req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens + len(self.spec_token_ids)
+        return req.num_computed_tokens + self.num_new_tokens == \
+            req.num_tokens + req.num_pending_tokens + len(self.spec_token_ids)
 
     @property
     def num_logits(self) -> int:
@@ -68,10 +74,16 @@ class ScheduledRequest:
         return 1 + len(self.spec_token_ids) if self.samples else 0
 
     def input_token_ids(self) -> list[int]:
-        """The tokens this step computes: the request's own, then the proposals."""
+        """The tokens this step computes: the request's own (PENDING_TOKEN for a pending one), then the proposals."""
         start = self.request.num_computed_tokens
-        own = self.request.all_token_ids[start:start + self.num_new_tokens]
+        num_own = self.num_new_tokens - len(self.spec_token_ids)
+        own = self.request.all_token_ids[start:start + num_own]
+        own += [PENDING_TOKEN] * (num_own - len(own))
         return own + self.spec_token_ids if self.spec_token_ids else own
+
+
+PENDING_TOKEN = 0
+"""Input id placed for a pending token (async scheduling); the engine writes the sampled one over it on the device."""
 
 
 @dataclass
@@ -121,9 +133,11 @@ class Scheduler(SchedulerLoads):
         return len(self.waiting)
 
     # ---- one step ------------------------------------------------------
-    def schedule(self, in_flight: Container[str] = (), max_requests: int | None = None) -> SchedulerOutput:
-        """The next step. `in_flight`: requests whose last step a pipeline still computes (engine micro-batches:
-        skipped, and never preempted); `max_requests`: at most that many requests in the step."""
+    def schedule(self, in_flight: Container[str] = (), max_requests: int | None = None,
+                 continuing: Container[str] = ()) -> SchedulerOutput:
+        """The next step. `in_flight`: requests whose last step is still computed (pipeline micro-batches, async
+        scheduling): skipped, and never preempted, except those `continuing` (async scheduling), which decode
+        their pending token when a slot is free; `max_requests`: at most that many requests in the step."""
         out = SchedulerOutput()
         self._in_flight = in_flight
         cap = max_requests or math.inf
@@ -137,6 +151,12 @@ class Scheduler(SchedulerLoads):
         while index < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             request = self.running[index]
             if request.request_id in in_flight:
+                if request.request_id in continuing:
+                    copies = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, 1)
+                    if copies is not None:  # else it waits for its step: nothing is preempted for it
+                        out.scheduled.append(ScheduledRequest(request, 1))
+                        out.block_copies.extend(copies)
+                        budget -= 1
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -231,10 +251,14 @@ class Scheduler(SchedulerLoads):
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
-            self.kv.cache_computed_blocks(request.request_id, request.all_token_ids,
-                                          request.num_computed_tokens, request.cache_salt)
+            self.cache_known_blocks(request)
         if self.offload is not None:
             self.offload.after_step()
+
+    def cache_known_blocks(self, request: Request) -> None:
+        """Register the request's full computed blocks whose tokens are all known (a pending one is not)."""
+        self.kv.cache_computed_blocks(request.request_id, request.all_token_ids,
+                                      min(request.num_computed_tokens, request.num_tokens), request.cache_salt)
 
     def accept_spec(self, request: Request, num_accepted: int) -> None:
         """After verification: `num_accepted` proposals (now appended to the request's tokens) keep their KV;

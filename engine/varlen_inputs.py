@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kv_cache_manager import KVCacheManager
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import PENDING_TOKEN, SchedulerOutput
 
 
 @dataclass
@@ -77,7 +77,7 @@ class VarlenInputBuilder:
             used = -(-end // bs)
             block_tables[s, :used] = table[:used]
             if n == 1:
-                ids[t] = req.all_token_ids[start]
+                ids[t] = req.all_token_ids[start] if start < len(req.all_token_ids) else PENDING_TOKEN
                 pos[t] = start
                 slots[t] = table[start // bs] * bs + start % bs
             else:

@@ -13,10 +13,10 @@ compiler targets them, scalar elsewhere), each one pass with float32 math:
   rope_          RoPE in place on the q and k heads of qkv rows, optionally writing
                  the rotated K and V into their cache slots
 
-They are CPU-only: `load_fused_ops` returns None for any other device (CUDA keeps
-its own path, or with PDSERVE_FUSED_CUDA=1 runs the same four ops as Triton kernels,
-engine/model/fused_triton.py), for dtypes other than float32/bfloat16, when the
-kernels cannot be built, or when PDSERVE_FUSED=0. The unfused ops they must equal are
+They are CPU-only: on CUDA `load_fused_ops` returns the same four ops as Triton kernels
+(engine/model/fused_triton.py; PDSERVE_FUSED_CUDA=0 keeps the unfused torch ops there),
+and None for other devices, for dtypes other than float32/bfloat16 (float16 too on CUDA),
+when the kernels cannot be built, or when PDSERVE_FUSED=0. The unfused ops they must equal are
 `engine.model.llama.rms_norm`, `F.silu(gate) * up` and `RotaryEmbedding.apply`.
 """
 from __future__ import annotations
@@ -66,11 +66,11 @@ class FusedOps:
 
 
 def load_fused_ops(device: torch.device, dtype: torch.dtype):
-    """The fused ops for this device and dtype (`FusedOps`, or on CUDA with PDSERVE_FUSED_CUDA=1 the Triton
-    ones of fused_triton.py), or None where the unfused torch ops must run."""
+    """The fused ops for this device and dtype (`FusedOps`, or on CUDA the Triton ones of fused_triton.py unless
+    PDSERVE_FUSED_CUDA=0), or None where the unfused torch ops must run."""
     if dtype not in FUSED_DTYPES and dtype != torch.float16 or not fused_enabled():
         return None
-    if device.type == "cuda" and os.environ.get("PDSERVE_FUSED_CUDA") == "1":  # until a GPU has run them
+    if device.type == "cuda" and os.environ.get("PDSERVE_FUSED_CUDA", "1") != "0":
         from engine.model.fused_triton import TritonFusedOps
         return TritonFusedOps()
     if device.type != "cpu" or dtype not in FUSED_DTYPES:

@@ -108,11 +108,15 @@ def test_rope_in_place_and_kv_write(ops, dtype, write_cache):
         assert torch.count_nonzero(kv) == 0
 
 
-def test_fused_ops_are_cpu_only(monkeypatch):
+def test_which_fused_ops_each_device_gets(monkeypatch):
+    from engine.model.fused_triton import TritonFusedOps
     monkeypatch.delenv("PDSERVE_FUSED", raising=False)
+    monkeypatch.delenv("PDSERVE_FUSED_CUDA", raising=False)
     assert load_fused_ops(torch.device("cpu"), torch.float16) is None
+    assert isinstance(load_fused_ops(torch.device("cpu"), torch.bfloat16), FusedOps)
+    assert isinstance(load_fused_ops(torch.device("cuda"), torch.bfloat16), TritonFusedOps)  # no GPU touched
+    monkeypatch.setenv("PDSERVE_FUSED_CUDA", "0")
     assert load_fused_ops(torch.device("cuda"), torch.bfloat16) is None
-    assert load_fused_ops(torch.device("cpu"), torch.bfloat16) is not None
     monkeypatch.setenv("PDSERVE_FUSED", "0")
     assert load_fused_ops(torch.device("cpu"), torch.bfloat16) is None
 
