@@ -20,6 +20,7 @@ back to back), and the roofline both are measured against: prefill FLOPs at
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -241,6 +242,8 @@ def main() -> int:
             steps[name] = decode_step_times(engine, args.step_batch, args.step_context, profile=args.profile)
         engine.shutdown()
         del engine
+        gc.collect()  # the engine's graphs and tensors freed now, not by a collection in the next engine's run
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
     if "hf-static" not in args.skip or "hf-naive" not in args.skip:
         from bench.offline_throughput import load_hf

@@ -186,8 +186,9 @@ class EngineSteps:
             if not sample.request.is_finished:  # not aborted (nor stopped, under async scheduling) meanwhile
                 self._accept(sample, token)
                 accepted.append(sample)
-                if self.async_scheduling and not sample.request.is_finished:
-                    self.scheduler.cache_known_blocks(sample.request)  # a block the token completed
+                request = sample.request
+                if self.async_scheduling and not request.is_finished and request.num_tokens % self.kv.block_size == 0:
+                    self.scheduler.cache_known_blocks(request)  # the token completed a block already computed
         if spec_rows:
             verified = self.sampler.verify(logits, spec_rows, masks.wait() if masks is not None else None)
             for sample, spec_row, emitted in zip(spec_owners, spec_rows, verified, strict=True):

@@ -56,22 +56,21 @@ class ScheduledRequest:
     """Tokens computed this step, starting at request.num_computed_tokens (proposed tokens included)."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed tokens computed after the request's last token, to be verified."""
+    samples: bool = field(init=False)
+    """True when this step computes the request's last token (so it samples)."""
+    num_logits: int = field(init=False)
+    """Rows of logits this request needs (its last positions'): 1 + K when it verifies K proposals, 1 when it
+    samples, else 0; a prompt chunk of a request wanting prompt logprobs: one per position."""
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last token (so it samples)."""
+    def __post_init__(self) -> None:  # fixed at scheduling: read many times before `finish_step` moves the request
         req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == \
-            req.num_tokens + req.num_pending_tokens + len(self.spec_token_ids)
-
-    @property
-    def num_logits(self) -> int:
-        """Rows of logits this request needs (its last positions'): 1 + K when it verifies K proposals, 1 when it
-        samples, else 0; a prompt chunk of a request wanting prompt logprobs: one per position."""
-        req = self.request
+        num_spec = len(self.spec_token_ids)
+        end = req.num_computed_tokens + self.num_new_tokens
+        self.samples = end == req.num_tokens + req.num_pending_tokens + num_spec
         if req.prompt_logprobs_pending and req.num_computed_tokens < req.num_prompt_tokens:
-            return self.num_new_tokens
-        return 1 + len(self.spec_token_ids) if self.samples else 0
+            self.num_logits = self.num_new_tokens
+        else:
+            self.num_logits = 1 + num_spec if self.samples else 0
 
     def input_token_ids(self) -> list[int]:
         """The tokens this step computes: the request's own (PENDING_TOKEN for a pending one), then the proposals."""
@@ -248,10 +247,13 @@ class Scheduler(SchedulerLoads):
     # ---- after the step ------------------------------------------------
     def finish_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and register newly full blocks."""
+        bs = self.kv.block_size
         for item in out.scheduled:
             request = item.request
+            before = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
-            self.cache_known_blocks(request)
+            if request.num_computed_tokens // bs > before // bs:  # a block filled up
+                self.cache_known_blocks(request)
         if self.offload is not None:
             self.offload.after_step()
 

@@ -66,6 +66,9 @@ class VarlenInputBuilder:
         ids, pos, slots, logits, cu_q, seq_lens, block_tables = (
             part[:n] for part, n in zip(np.split(flat[:total], np.cumsum(sizes)[:-1]), lengths, strict=True))
         block_tables = block_tables.reshape(num_seqs, width)
+        if num_tokens == num_seqs == num_logits:  # a decode batch: one token each, every one sampled
+            self._fill_decode(scheduled, tables, ids, pos, slots, logits, cu_q, seq_lens, block_tables)
+            return self._send(host, total, sizes, lengths, num_seqs, width, 1, num_seqs)
         t = r = 0
         cu_q[0] = 0
         max_query_len = 0
@@ -90,14 +93,39 @@ class VarlenInputBuilder:
             cu_q[s + 1] = t
             seq_lens[s] = end
             max_query_len = max(max_query_len, n)
-            if item.num_logits:
-                logits[r:r + item.num_logits] = np.arange(t - item.num_logits, t, dtype=np.int32)
-                r += item.num_logits
+            num_logits = item.num_logits
+            if num_logits == 1:
+                logits[r] = t - 1
+                r += 1
+            elif num_logits:
+                logits[r:r + num_logits] = np.arange(t - num_logits, t, dtype=np.int32)
+                r += num_logits
+        decode_only = max_query_len == 1 and num_logits == num_seqs  # one token each, every one sampled
+        return self._send(host, total, sizes, lengths, num_seqs, width, max_query_len, num_seqs if decode_only else 0)
+
+    def _fill_decode(self, scheduled, tables, ids, pos, slots, logits, cu_q, seq_lens, block_tables) -> None:
+        """`build`'s arrays for a decode batch, each written whole."""
+        bs = self.block_size
+        starts = [item.request.num_computed_tokens for item in scheduled]
+        ids[:] = [tokens[s] if s < len(tokens) else PENDING_TOKEN
+                  for tokens, s in ((item.request.all_token_ids, s) for item, s in zip(scheduled, starts, strict=True))]
+        start = np.asarray(starts, dtype=np.int32)
+        pos[:] = start
+        slots[:] = np.asarray([table[s // bs] for table, s in zip(tables, starts, strict=True)], dtype=np.int32) * bs \
+            + start % bs
+        seq_lens[:] = start + 1
+        cu_q[:] = np.arange(len(starts) + 1, dtype=np.int32)
+        logits[:] = cu_q[:-1]
+        for s, (table, first) in enumerate(zip(tables, starts, strict=True)):
+            used = first // bs + 1
+            block_tables[s, :used] = table[:used]
+
+    def _send(self, host, total, sizes, lengths, num_seqs, width, max_query_len, num_decode_only) -> VarlenStep:
+        """Copy the filled host buffer to the device in one non-blocking copy; the step's views of it."""
         dev = self._device[:total]
         dev.copy_(host[:total], non_blocking=True)
         ids_d, pos_d, slots_d, logits_d, cu_q_d, seq_lens_d, tables_d = (
             part[:n] for part, n in zip(torch.split(dev, sizes), lengths, strict=True))
         meta = AttentionMetadata(slot_mapping=slots_d, cu_q=cu_q_d, seq_lens=seq_lens_d,
                                  block_tables=tables_d.view(num_seqs, width), max_query_len=max_query_len)
-        decode_only = max_query_len == 1 and num_logits == num_seqs  # one token each, every one sampled
-        return VarlenStep(ids_d, pos_d, logits_d, meta, num_seqs if decode_only else 0)
+        return VarlenStep(ids_d, pos_d, logits_d, meta, num_decode_only)
