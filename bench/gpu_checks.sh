@@ -4,6 +4,9 @@
 # grpcio, pytest); the tokenizer files travel (PDSERVE_TEST_TOKENIZER_DIR), the checkpoints are built there.
 #
 #   bash bench/gpu_checks.sh TOKDIR OUTDIR TEST_SECONDS "PYTEST ARGS" SIZE[:BENCH_SECONDS] ...
+#
+# Engines size their KV cache by gpu_memory_utilization (0.9 of the device): give engine tests one pytest
+# worker (-n 1, or -n 2 for the kernel-only files); ten workers on one GPU ran it out of memory.
 set -u
 tok=$1 out=$2 test_s=$3 tests=$4
 shift 4

@@ -86,10 +86,10 @@ def make_workload(n: int, seed: int, prompt_range, output_range) -> list[tuple[l
             for _ in range(n)]
 
 
-def make_engine(model_dir: Path, backend: str, args) -> LLMEngine:
+def make_engine(model_dir: Path, backend: str, args, async_scheduling: bool = True) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(model_dir), dtype="bfloat16", device="cuda", attention_backend=backend,
-        cuda_graphs=not args.enforce_eager,
+        cuda_graphs=not args.enforce_eager, async_scheduling=async_scheduling,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
         cache=CacheConfig(gpu_memory_utilization=args.gpu_memory_utilization)))
 
@@ -235,8 +235,7 @@ def main() -> int:
     for backend, fused, asynchronous in itertools.product(args.backends, args.fused, args.async_scheduling):
         os.environ["PDSERVE_FUSED_CUDA"] = "1" if fused == "on" else "0"
         name = f"pdserve-{backend}" + ("+fused" if fused == "on" else "") + ("+async" if asynchronous == "on" else "")
-        engine = make_engine(model_dir, backend, args)
-        engine.async_scheduling = engine.async_scheduling and asynchronous == "on"
+        engine = make_engine(model_dir, backend, args, asynchronous == "on")
         results[name] = run_pdserve(engine, work)
         if "step" not in args.skip:
             steps[name] = decode_step_times(engine, args.step_batch, args.step_context, profile=args.profile)

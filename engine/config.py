@@ -147,6 +147,11 @@ class EngineConfig:
     overlap_steps: bool | None = None
     """Launch step N+1 before detokenizing and reporting step N; None: on CUDA, where the launch is
     asynchronous (on CPU it would delay every report by a whole step)."""
+    async_scheduling: bool = field(default=True, metadata={
+        "flag": "--no-async-scheduling",
+        "help": "CUDA: read each step's tokens before scheduling the next (no step launched ahead of them)"})
+    """With overlap_steps: schedule and launch step N+1 before step N's tokens are read, its continuing requests'
+    inputs copied on the device (engine/engine_steps.py); False: collect step N first, then launch N+1."""
     quantization: str | None = field(default=None, metadata={
         "choices": QUANTIZATIONS,
         "help": "quantize the layers' linear weights at load: int8 (weight-only) or fp8 (e4m3); "

@@ -94,8 +94,8 @@ class LLMEngine(EngineSteps, KVViews):
         self._collected_early: list[SampleState] = []
         self.proposer: Proposer | None = make_proposer(self.config, self.model_config, self.max_model_len,
                                                          self.runner.num_blocks)
-        self.async_scheduling = (self.overlap and self.microbatches == 1 and self.proposer is None
-                                 and self.runner.peers is None and self.runner.stage is None)
+        self.async_scheduling = (config.async_scheduling and self.overlap and self.microbatches == 1
+                                 and self.proposer is None and self.runner.peers is None and self.runner.stage is None)
         """Step N+1 launched before step N's tokens are read (engine/engine_steps.py); with proposals or other
         ranks, `overlap` collects step N first (the proposer needs its tokens; other ranks get inputs on the host)."""
         self._last_draw = None

@@ -169,3 +169,13 @@ def with_config(src, dst, **changes):
     config = {k: v for k, v in config.items() if v is not DROP}
     (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+def step_until_output(engine) -> list:
+    """The first non-empty `engine.step()`: with overlap or async scheduling (CUDA's default) a step's tokens are
+    reported by the next call."""
+    for _ in range(1000):
+        deltas = engine.step()
+        if deltas:
+            return deltas
+    raise AssertionError("the engine reported nothing in 1000 steps")

@@ -141,3 +141,14 @@ def test_blocks_completed_by_a_pending_token_reach_the_prefix_cache(pair):
         assert_idle(engine)
     # 20 + 29 tokens were computed (the last sampled token's KV never is): 48 = 3 full blocks
     assert cached == [48, 48]
+
+
+def test_no_async_scheduling_collects_each_step_first(tiny_qwen2_dir, pair):
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32", seed=0, overlap_steps=True,
+                                    async_scheduling=False, cache=CacheConfig(block_size=BS, num_blocks=256)))
+    assert engine.overlap and not engine.async_scheduling
+    ps = prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert summary(engine.generate(ps, params)) == summary(pair[0].generate(ps, params))
+    assert engine.num_continued_tokens == 0
+    assert_idle(engine)

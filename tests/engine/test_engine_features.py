@@ -7,6 +7,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import InvalidParameter, SamplingParams
+from tests.conftest import step_until_output
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
@@ -185,7 +186,7 @@ def test_decode_role_continues_from_kv_computed_by_another_engine(tiny_qwen2_dir
     expected = tiny(overlap_steps=engine.overlap).generate([france], params)[0].completions[0].token_ids
     prefill = tiny()
     prefill.add_request("p", france, SamplingParams(temperature=0, max_tokens=2))
-    first_token = prefill.step()[0].token_ids[0]  # the prompt's KV computed, first token sampled
+    first_token = step_until_output(prefill)[0].token_ids[0]  # the prompt's KV computed, first token sampled
     src_table = list(prefill.kv.block_table("p"))
     assert first_token == expected[0]
     decode = tiny()

@@ -11,6 +11,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
+from tests.conftest import step_until_output
 
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
@@ -22,7 +23,7 @@ def test_prefill_transfer_decode_equals_one_engine(smollm2_dir, backend):
     expected = prefill.generate([prompt], params)[0].completions[0].token_ids
 
     prefill.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=2))
-    first_token = prefill.step()[0].token_ids[0]
+    first_token = step_until_output(prefill)[0].token_ids[0]
     src_table = list(prefill.kv.block_table("p"))
     decode.generate([prompt[:33]], SamplingParams(temperature=0, max_tokens=1))  # decode caches 2 blocks itself
     dst_table, num_local = decode.reserve_kv("d", prompt)
@@ -60,7 +61,7 @@ def test_decode_continues_a_seeded_sample_as_one_engine_would(smollm2_dir):
     params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True)
     expected = decode.generate([prompt], params)[0].completions[0].token_ids  # one engine, start to end
     prefill_side.add_request("r", prompt, params, prefill_only=True)
-    first = prefill_side.step()[0]
+    first = step_until_output(prefill_side)[0]
     dst_table, _ = decode.reserve_kv("r", prompt)
     decode.runner.kv_cache[dst_table] = prefill_side.runner.kv_cache[first.kv_block_ids]  # the "pull"
     decode.add_request("r", prompt, params, first_token_id=first.token_ids[0])
@@ -99,7 +100,7 @@ def test_fp8_blocks_transfer_and_refuse_a_bf16_peer(smollm2_dir):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = prefill.generate([prompt], params)[0].completions[0].token_ids
     prefill.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=2))
-    first_token = prefill.step()[0].token_ids[0]
+    first_token = step_until_output(prefill)[0].token_ids[0]
     src_table = list(prefill.kv.block_table("p"))
     dst_table, num_local = decode.reserve_kv("d", prompt)
     assert num_local == 0

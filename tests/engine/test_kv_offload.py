@@ -11,6 +11,7 @@ from engine.kv_offload.config import OffloadConfig
 from engine.kv_offload.disk_tier import HEADER_BYTES
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.conftest import step_until_output
 
 BS = 16
 BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4
@@ -228,7 +229,7 @@ def pull_by_copy(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], param
     """The disaggregated hand-off with the transfer replaced by a tensor copy: prefill computes the prompt and
     its first token, decode reserves blocks (loading what its tiers hold) and gets only the rest copied."""
     prefill.add_request("p", prompt, params, prefill_only=True)
-    delta = prefill.step()[0]
+    delta = step_until_output(prefill)[0]
     table, num_local = decode.reserve_kv("d", prompt)
     src = delta.kv_block_ids
     for s, d in zip(src[num_local:], table[num_local:], strict=True):

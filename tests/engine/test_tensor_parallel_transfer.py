@@ -9,6 +9,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver, make_sender
 from kv_transfer.sharded import ShardedKV
+from tests.conftest import step_until_output
 
 PROMPTS = [[1 + (7 * i) % 4000 for i in range(45)], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13, 14, 15, 16, 17]]
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -42,7 +43,7 @@ def test_kv_moves_between_tensor_parallel_sizes(tiny_qwen2_dir, expected, p, d):
             for i, prompt in enumerate(PROMPTS):
                 rid = f"r{i}"
                 prefill.add_request(rid, prompt, PARAMS, prefill_only=True)
-                first = prefill.step()[0]
+                first = step_until_output(prefill)[0]
                 table, _ = decode.reserve_kv(rid, prompt)
                 lease = sender.expect(rid, first.kv_block_ids, timeout_s=30)
                 pull = receiver.read(sender.peer_info(), rid, first.kv_block_ids, table, timeout_s=30,
