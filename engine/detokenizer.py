@@ -1,11 +1,15 @@
 """Incremental detokenization with stop strings, never splitting a UTF-8 character.
 
 Text is decoded over a short window of recent tokens; new text is released only
-once it no longer ends in an incomplete character (U+FFFD). While stop strings
+once it no longer ends in an incomplete character (U+FFFD). With a byte-level BPE
+tokenizer (`Tokenizer.token_bytes`), each token's bytes go through an incremental
+UTF-8 decoder instead: the same text, no decode call per token. While stop strings
 are set, the last (longest stop - 1) characters are held back, so a stop string
 is never partly emitted before it is recognised.
 """
 from __future__ import annotations
+
+import codecs
 
 from engine.tokenizer import Tokenizer
 
@@ -23,9 +27,18 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._emitted = 0
+        self._bytes = tokenizer.token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._bytes is not None else None
 
     def add_token(self, token_id: int) -> str | None:
         """Append a token; return the stop string if one now appears (text cut before it)."""
+        if self._utf8 is not None:
+            piece = self._utf8.decode(self._bytes[token_id] if token_id < len(self._bytes) else b"")
+            if not piece:
+                return None
+            old_len = len(self.text)
+            self.text += piece
+            return self._find_stop(old_len)
         self._ids.append(token_id)
         prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._tok.decode(self._ids[self._prefix_offset:])
@@ -39,6 +52,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end, release text still waiting for more bytes."""
+        if self._utf8 is not None:
+            self.text += self._utf8.decode(b"", final=True)
+            return
         tail = self._tok.decode(self._ids[self._prefix_offset:])
         prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
         if len(tail) > len(prefix):

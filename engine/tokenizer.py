@@ -23,6 +23,18 @@ class Tokenizer:
             self._fast_decode = backend.decode
 
     @property
+    def token_bytes(self) -> list[bytes] | None:
+        """Each token id's bytes when decoding is byte concatenation (byte-level BPE, checked against decode;
+        engine/token_bytes.py), else None. Built on first use."""
+        if not hasattr(self, "_token_bytes"):
+            from engine.token_bytes import token_byte_table
+            backend = getattr(self._tok, "backend_tokenizer", None)
+            self._token_bytes = None
+            if self._fast_decode is not None and backend is not None:
+                self._token_bytes = token_byte_table(backend, backend.get_vocab_size())
+        return self._token_bytes
+
+    @property
     def hf_tokenizer(self):
         """The transformers tokenizer (grammar libraries build their view of the vocabulary from it)."""
         return self._tok
