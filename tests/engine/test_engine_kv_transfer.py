@@ -4,6 +4,8 @@ Both engines live in this process (the two-process backend tests are in
 tests/kv_transfer); this checks the contract between them: block-major KV
 tensor, block ids from the block manager, only missing blocks pulled.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,10 +16,12 @@ from kv_transfer import KVLayout, KVTransferConfig, TransferState, make_receiver
 from tests.conftest import step_until_output
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
-def test_prefill_transfer_decode_equals_one_engine(smollm2_dir, backend):
+@pytest.mark.parametrize("backend, overlap", [("tcp", False), ("nixl", False), ("tcp", True)],
+                         ids=["tcp", "nixl", "tcp-async-decode"])
+def test_prefill_transfer_decode_equals_one_engine(smollm2_dir, backend, overlap):
     config = EngineConfig(model=str(smollm2_dir), dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=64 << 20))
-    prefill, decode = LLMEngine(config), LLMEngine(config)
+    prefill, decode = LLMEngine(config), LLMEngine(replace(config, overlap_steps=overlap))
+    assert decode.async_scheduling is overlap  # the decode side schedules ahead of its tokens, as on CUDA
     prompt = prefill.tokenizer.apply_chat_template([{"role": "user", "content": "Name the largest ocean on Earth."}])
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     expected = prefill.generate([prompt], params)[0].completions[0].token_ids
