@@ -176,10 +176,9 @@ class EngineSteps:
         logits = self.runner.collect(logits)
         for sample, first_row, num_rows, start, done in prompt_rows:
             prompt_logprobs.record(sample, logits[first_row:first_row + num_rows], start, done)
-        if draw is not None:
-            tokens = draw.results()  # waits for this step's sampling alone
-        else:
-            tokens = self.sampler.sample(logits, rows, masks.wait() if masks is not None else None)
+        bitmask = masks.wait() if masks is not None else None
+        # a draw made at launch waits for this step's sampling alone (async scheduling)
+        tokens = draw.results() if draw is not None else self.sampler.sample(logits, rows, bitmask)
         accepted = []
         for sample, token in zip(owners, tokens, strict=True):
             sample.request.num_pending_tokens -= 1
@@ -190,7 +189,7 @@ class EngineSteps:
                 if self.async_scheduling and not request.is_finished and request.num_tokens % self.kv.block_size == 0:
                     self.scheduler.cache_known_blocks(request)  # the token completed a block already computed
         if spec_rows:
-            verified = self.sampler.verify(logits, spec_rows, masks.wait() if masks is not None else None)
+            verified = self.sampler.verify(logits, spec_rows, bitmask)
             for sample, spec_row, emitted in zip(spec_owners, spec_rows, verified, strict=True):
                 if sample.request.is_finished:
                     continue

@@ -17,6 +17,7 @@ from engine.paged_inputs import PagedInputBuilder
 from engine.parallel import shared_kv
 from engine.parallel.pipeline import PendingLogits, PipelineStage
 from engine.parallel.tp_group import TPGroup
+from engine.sampler import on_device
 from engine.scheduler import SchedulerOutput
 from engine.varlen_inputs import VarlenInputBuilder
 
@@ -36,9 +37,7 @@ class PendingInputs:
 
     def write(self, input_ids: torch.Tensor) -> None:
         """Queue the copies on the device (after the step before's sampling, before this step's forward)."""
-        index = torch.tensor([self.rows, self.positions], dtype=torch.long)
-        if input_ids.is_cuda:  # from pinned memory, without waiting for the work already queued
-            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        index = on_device([self.rows, self.positions], input_ids.device)
         input_ids[index[1]] = self.token_ids[index[0]].to(input_ids.dtype)
 
 
