@@ -247,13 +247,10 @@ class Scheduler(SchedulerLoads):
     # ---- after the step ------------------------------------------------
     def finish_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and register newly full blocks."""
-        bs = self.kv.block_size
         for item in out.scheduled:
             request = item.request
-            before = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
-            if request.num_computed_tokens // bs > before // bs:  # a block filled up
-                self.cache_known_blocks(request)
+            self.cache_known_blocks(request)  # every full block not yet registered (pulled ones too)
         if self.offload is not None:
             self.offload.after_step()
 

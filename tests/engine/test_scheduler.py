@@ -118,6 +118,9 @@ def test_request_with_preloaded_kv_starts_where_kv_ends():
     out = run_step(s)
     assert [(i.num_new_tokens, i.samples) for i in out.scheduled] == [(1, True)]
     assert r.output_token_ids == [5, 7]
+    # the transferred blocks enter the prefix cache with the first step (the worker's later hits, KV events)
+    assert s.kv.find_prefix("probe", list(range(10)) + [5]).num_tokens == 8
+    s.kv.free("probe")
     while s.has_unfinished():
         run_step(s)
     assert_empty(s)
