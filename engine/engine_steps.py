@@ -111,6 +111,12 @@ class EngineSteps:
                 row += 1 + len(item.spec_token_ids)
                 continue
             suppress = self._suppressed(request)
+            if job is None and not request.pending_forks:  # the common case: one sample, unconstrained
+                sample = self._samples[request.request_id]
+                rows.append(SampleRow(row, request.params, sample.generator, suppress, sample.context))
+                owners.append(sample)
+                row += 1
+                continue
             family = [self._samples[request.request_id]]
             family += [self._fork(request, i) for i in range(1, request.pending_forks + 1)]
             request.pending_forks = 0
