@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import cpu_kernels
+from engine.host_lists import on_device
 from engine.sampling_params import SamplingParams
 
 
@@ -103,7 +104,7 @@ def penalized_row(row: torch.Tensor, params: SamplingParams, context: SampleCont
 def apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     """Rows of temperature-scaled logits with tokens less likely than min_p x the top token's probability
     set to -inf (min_p 0 leaves a row alone)."""
-    min_p = torch.tensor(min_ps, dtype=logits.dtype, device=logits.device)
+    min_p = on_device(min_ps, logits.device, logits.dtype)
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
     return logits.masked_fill(probs < threshold, float("-inf"))

@@ -9,6 +9,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.attention.fp8_kv import FP8_DTYPE
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.host_lists import on_device
 from engine.kv_cache_manager import KVCacheManager
 from engine.model.kv_scales import load_kv_scales
 from engine.model.loader import load_model, resolve_dtype
@@ -17,7 +18,6 @@ from engine.paged_inputs import PagedInputBuilder
 from engine.parallel import shared_kv
 from engine.parallel.pipeline import PendingLogits, PipelineStage
 from engine.parallel.tp_group import TPGroup
-from engine.sampler import on_device
 from engine.scheduler import SchedulerOutput
 from engine.varlen_inputs import VarlenInputBuilder
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import logits_processors
+from engine.host_lists import on_device
 from engine.logits_processors import SampleContext
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection import greedy_verify, rejection_sample
@@ -201,9 +202,3 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     sorted_logits = sorted_logits.masked_fill(mass_before >= ps[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)
 
-
-def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host list as a tensor on `device`; to a GPU through pinned memory, without waiting for the work
-    already queued there (a plain `torch.tensor(..., device=cuda)` waits for the stream: no overlap left)."""
-    tensor = torch.tensor(values, dtype=dtype)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
