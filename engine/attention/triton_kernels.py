@@ -26,10 +26,16 @@ to ±448, and read widened to the query's dtype (exact: every e4m3 value is a
 bf16/fp16 value); k_scale is folded into the softmax scale and v_scale into
 the output.
 
+Split-KV decode (flash-decoding; opt-in, `decode_kv_splits`): in a decode-only step a third grid axis cuts
+each sequence's keys into shares attended in parallel, each writing its unnormalized softmax state; a second
+kernel merges them. It fills the GPU when a small batch of long contexts leaves most multiprocessors idle.
+
 The same code runs on CPU under Triton's interpreter (TRITON_INTERPRET=1),
 which is how CI checks it against the torch reference.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -102,15 +108,17 @@ def _soft_cap(s, softcap):
 
 @triton.jit(do_not_specialize=["num_seqs", "window"])  # one compiled variant whatever the batch
 def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
-                            sinks_ptr, scale, v_scale, num_seqs, head_dim, window, softcap,
+                            sinks_ptr, part_ml_ptr, part_acc_ptr, scale, v_scale, num_seqs, head_dim, window, softcap,
                             stride_q_t, stride_q_h, stride_o_t, stride_o_h,
                             stride_k_blk, stride_k_off, stride_k_h,
                             stride_v_blk, stride_v_off, stride_v_h, stride_bt,
                             GROUP: tl.constexpr, DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
                             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
-                            WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr):
+                            WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+                            SPLITS: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = _find_sequence(cu_q_ptr, num_seqs, program, BLOCK_Q)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -134,7 +142,11 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
         kv_start = 0
         if WINDOW:
             kv_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
-        if SINKS:  # the sink column: logit sink, value zero
+        if SPLITS > 1:  # split-KV: this program's share of the keys, whole tiles (the last share may be empty)
+            chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, SPLITS), TILE) * TILE
+            kv_start = kv_start + split * chunk
+            kv_end = tl.minimum(kv_end, kv_start + chunk)
+        if SINKS and split == 0:  # the sink column: logit sink, value zero (counted by one split)
             m_i = tl.load(sinks_ptr + head).to(tl.float32)
             l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         else:  # finite: under a window a row may see no key in a tile (exp(-inf - -inf) would be NaN)
@@ -176,13 +188,38 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if WINDOW:  # a padding row (never stored) may have seen no key: no 0 / 0
-            l_i = tl.where(l_i > 0, l_i, 1.0)
-        acc = acc / l_i[:, None]
-        if FP8:
-            acc = acc * v_scale
-        tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if SPLITS > 1:  # unnormalized: (m, l) and acc per (token, head, split), merged by _combine_splits_kernel
+            part = (q_rows * (GROUP * tl.num_programs(1)) + head) * SPLITS + split
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * DIM_P + d[None, :], acc, mask=row_ok[:, None])
+        else:
+            if WINDOW:  # a padding row (never stored) may have seen no key: no 0 / 0
+                l_i = tl.where(l_i > 0, l_i, 1.0)
+            acc = acc / l_i[:, None]
+            if FP8:
+                acc = acc * v_scale
+            tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(out_ptr, part_ml_ptr, part_acc_ptr, v_scale, head_dim, num_heads, stride_o_t,
+                           stride_o_h, SPLITS: tl.constexpr, DIM_P: tl.constexpr, FP8: tl.constexpr):
+    """One program per (token, query head): the splits' partial softmaxes rescaled to their common max."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * num_heads + head) * SPLITS + tl.arange(0, SPLITS)
+    m = tl.load(part_ml_ptr + part * 2)
+    weight = tl.exp(m - tl.max(m, 0))
+    total = tl.sum(tl.load(part_ml_ptr + part * 2 + 1) * weight, 0)
+    d = tl.arange(0, DIM_P)
+    acc = tl.sum(tl.load(part_acc_ptr + part[:, None] * DIM_P + d[None, :]) * weight[:, None], 0)
+    acc = acc / tl.where(total > 0, total, 1.0)
+    if FP8:
+        acc = acc * v_scale
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + d, acc.to(out_ptr.dtype.element_ty),
+             mask=d < head_dim)
 
 
 def attention_launch_shape(num_tokens: int, num_seqs: int, group: int, max_query_len: int) -> tuple[int, int, int]:
@@ -196,18 +233,37 @@ def attention_launch_shape(num_tokens: int, num_seqs: int, group: int, max_query
     return block_m, block_q, num_tokens // block_q + num_seqs
 
 
+SPLIT_KV_MAX = 16
+"""Most key splits a decode step's attention takes (`decode_kv_splits`)."""
+
+
+def decode_kv_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Key splits for a decode-only step (split-KV, flash-decoding): enough (sequence, KV head, split) programs
+    for two per multiprocessor, 1 when the batch alone has them. A power of two, at most SPLIT_KV_MAX; 1 off
+    CUDA. Batch-only, so a captured decode graph keeps its split count for every context length.
+    Opt-in (PDSERVE_SPLIT_KV=1) until a GPU has compiled it and measured the heuristic (issue 41); tested
+    under Triton's interpreter."""
+    if device.type != "cuda" or os.environ.get("PDSERVE_SPLIT_KV") != "1":
+        return 1
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = -(-2 * torch.cuda.get_device_properties(device).multi_processor_count // programs)
+    return min(SPLIT_KV_MAX, triton.next_power_of_2(wanted)) if wanted > 1 else 1
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_q: torch.Tensor, max_query_len: int, scale: float,
                     out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     window: int | None = None, sinks: torch.Tensor | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, kv_splits: int | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] (sequences packed by cu_q [S+1]) over the paged cache
     (an fp8 one read times k_scale / v_scale); a query at position p sees the keys p - window < j <= p
     with a `window`, plus per-head `sinks` logits [Hq] (float32), scores soft-capped by `softcap`.
 
     seq_lens [S]: context length of each sequence, this step's tokens included
     (their K/V already written). block_tables [S, W] int32. max_query_len only
-    picks the launch shape; the kernel reads lengths from cu_q.
+    picks the launch shape; the kernel reads lengths from cu_q. kv_splits (decode-only steps; None:
+    `decode_kv_splits`): each sequence's keys are cut into that many shares attended in parallel, their
+    partial softmaxes merged after (flash-decoding), for long contexts at small batch.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -218,16 +274,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m, block_q, programs = attention_launch_shape(num_tokens, num_seqs, group, max_query_len)
     page = k_cache.shape[1]
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    _paged_attention_kernel[(programs, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, cu_q, q if sinks is None else sinks,
+    splits = 1
+    if max_query_len <= 1:
+        splits = kv_splits if kv_splits is not None else decode_kv_splits(num_seqs, num_kv_heads, q.device)
+        assert splits & (splits - 1) == 0, f"kv_splits must be a power of two, got {splits}"
+    dim_p = max(16, triton.next_power_of_2(head_dim))
+    part_ml = part_acc = out
+    if splits > 1:
+        part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(num_tokens, num_heads, splits, dim_p, dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(programs, num_kv_heads, splits)](
+        out, q, k_cache, v_cache, block_tables, seq_lens, cu_q, q if sinks is None else sinks, part_ml, part_acc,
         scale * k_scale, v_scale, num_seqs, head_dim, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, DIM_P=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
+        GROUP=group, DIM_P=dim_p, PAGE=page,
         TILE=32 if block_m == 16 else 64, BLOCK_Q=block_q, BLOCK_M=block_m,
         # Float32 products for float32 models, and on CPU: Triton's interpreter computes
         # bf16/fp16 dots wrongly (triton 3.9; 16-bit inputs are widened first there, exactly).
         F32=q.dtype == torch.float32 or q.device.type == "cpu", FP8=k_cache.dtype == torch.float8_e4m3fn,
-        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None)
+        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None, SPLITS=splits)
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, part_ml, part_acc, v_scale, head_dim, num_heads, out.stride(0), out.stride(1),
+            SPLITS=splits, DIM_P=dim_p, FP8=k_cache.dtype == torch.float8_e4m3fn)
     return out

@@ -301,3 +301,14 @@ def test_triton_bf16_and_mha(case, triton_backend):
         layer = LayerAttention(window=20, sinks=torch.linspace(-1, 2, heads), softcap=1.5)
         step = Step(*CASES[case], layer.window, torch.bfloat16, heads=heads, kv_heads=kv_heads, seed=heads)
         step.check(run(triton_backend(heads, kv_heads, D, SCALE), step, layer, TRITON_DEVICE), layer, 3e-2)
+
+
+@pytest.mark.parametrize("option", ["plain", "window5", "window20+sinks+softcap", "sinks+softcap"])
+def test_triton_split_kv_decode_with_every_option(option, triton_backend, monkeypatch):
+    """Decode attention split into 4 shares of keys (flash-decoding): windows, sinks (counted by one share) and
+    soft-capping give what the reference does."""
+    from engine.attention import triton_kernels
+    monkeypatch.setattr(triton_kernels, "decode_kv_splits", lambda *args: 4)
+    layer = LayerAttention(**OPTIONS[option])
+    step = Step(*CASES["decode"], layer.window, torch.float32, seed=len(option))
+    step.check(run(triton_backend(H, HKV, D, SCALE), step, layer, TRITON_DEVICE), layer, 1e-4)

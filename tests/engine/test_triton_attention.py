@@ -135,3 +135,41 @@ def test_fp8_cache_written_scaled_and_read_back(dtype):
         ref = dense_reference(step["q"][start:start + n], keys, values, c, scale)
         torch.testing.assert_close(out[start:start + n].double(), ref, atol=tol, rtol=tol)
         start += n
+
+
+@pytest.mark.parametrize("kv_splits", [2, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (10, 2)])
+def test_split_kv_decode_matches_dense_reference(kv_splits, heads, kv_heads):
+    """Decode attention with each sequence's keys cut into shares and merged after (flash-decoding) equals the
+    dense reference, whatever the split count: contexts of 1 token (most shares empty) to several tiles."""
+    query_lens, context_lens = [1, 1, 1, 1, 1], [0, 5, 31, 130, 300]
+    step = make_step(query_lens, context_lens, heads, kv_heads, 16, torch.float32, seed=kv_splits)
+    write_kv(step["new_k"], step["new_v"], step["k_cache"], step["v_cache"], step["slots"])
+    scale = D ** -0.5
+    out = paged_attention(step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
+                          step["cu_q"], 1, scale, kv_splits=kv_splits)
+    whole = paged_attention(step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
+                            step["cu_q"], 1, scale, kv_splits=1)
+    for i, (table, c) in enumerate(zip(step["tables"], context_lens, strict=True)):
+        keys = step["k_cache"][table].reshape(-1, kv_heads, D)[:c + 1]
+        values = step["v_cache"][table].reshape(-1, kv_heads, D)[:c + 1]
+        ref = dense_reference(step["q"][i:i + 1], keys, values, c, scale)
+        torch.testing.assert_close(out[i:i + 1].double(), ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_split_count_fills_the_device_only_for_small_batches(monkeypatch):
+    from engine.attention import triton_kernels
+    assert triton_kernels.decode_kv_splits(1, 8, torch.device("cpu")) == 1  # off CUDA: one share
+
+    class Props:
+        multi_processor_count = 132  # an H100
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("PDSERVE_SPLIT_KV", raising=False)
+    assert triton_kernels.decode_kv_splits(4, 8, cuda) == 1  # opt-in until measured on a GPU
+    monkeypatch.setenv("PDSERVE_SPLIT_KV", "1")
+    assert triton_kernels.decode_kv_splits(128, 8, cuda) == 1  # 1,024 programs already
+    assert triton_kernels.decode_kv_splits(4, 8, cuda) == 16  # 32 programs: 264 / 32 -> 9 -> 16
+    assert triton_kernels.decode_kv_splits(16, 8, cuda) == 4  # 128: 264 / 128 -> 3 -> 4
