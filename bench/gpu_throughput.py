@@ -7,7 +7,8 @@ Workload (issue 14): --num-requests submitted together, prompts of random
 tokens 128-1024, outputs 64-256, greedy, ignore_eos. Systems:
   pdserve-<backend>  the engine (continuous batching, paged KV, CUDA graphs), with the fused
                      Triton elementwise kernels off and on (+fused; --fused) and async
-                     scheduling off and on (+async; --async-scheduling);
+                     scheduling off and on (+async; --async-scheduling), split-KV decode
+                     attention off and on (+splitkv; --split-kv);
   hf-static          transformers `generate` on left-padded batches of 64;
   hf-naive           transformers one request at a time (a --naive-requests subset).
 Also one decode step at a fixed batch (--step-batch x --step-context): wall time
@@ -211,6 +212,9 @@ def main() -> int:
                     help="the fused Triton elementwise kernels (PDSERVE_FUSED_CUDA) off and/or on, one engine each")
     ap.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["off", "on"],
                     help="async scheduling off (step N collected before N+1 is launched) and/or on, one engine each")
+    ap.add_argument("--split-kv", nargs="+", default=["off"], choices=["off", "on"],
+                    help="split-KV decode attention (PDSERVE_SPLIT_KV) off and/or on; pair with a small --step-batch "
+                         "and a long --step-context to see it")
     ap.add_argument("--static-requests", type=int, default=None,
                     help="run hf-static on the first N requests only (its rate is per output token)")
     ap.add_argument("--static-batch", type=int, default=64)
@@ -232,9 +236,12 @@ def main() -> int:
     roof = roofline(args.size, work, args.step_batch, args.step_context, args.peak_tflops * 1e12,
                     args.peak_tbps * 1e12)
     results, steps = {}, {}
-    for backend, fused, asynchronous in itertools.product(args.backends, args.fused, args.async_scheduling):
+    for backend, fused, asynchronous, split in itertools.product(args.backends, args.fused, args.async_scheduling,
+                                                                 args.split_kv):
         os.environ["PDSERVE_FUSED_CUDA"] = "1" if fused == "on" else "0"
-        name = f"pdserve-{backend}" + ("+fused" if fused == "on" else "") + ("+async" if asynchronous == "on" else "")
+        os.environ["PDSERVE_SPLIT_KV"] = "1" if split == "on" else "0"
+        name = (f"pdserve-{backend}" + ("+fused" if fused == "on" else "") + ("+async" if asynchronous == "on" else "")
+                + ("+splitkv" if split == "on" else ""))
         engine = make_engine(model_dir, backend, args, asynchronous == "on")
         results[name] = run_pdserve(engine, work)
         if "step" not in args.skip:
@@ -260,10 +267,10 @@ def main() -> int:
     print(f"roofline: {roof['prefill_tflop']:.0f} TFLOP prefill ({roof['t_prefill_s']:.2f} s at {args.peak_tflops:.0f} "
           f"TFLOP/s) + decode {roof['t_decode_s']:.2f} s at {args.peak_tbps} TB/s = {roof['output_tok_s']:,.0f} "
           "output tok/s")
-    print(f"{'system':<28} {'time s':>8} {'out tok/s':>10} {'of roofline':>12} {'vs hf-static':>13}")
+    print(f"{'system':<36} {'time s':>8} {'out tok/s':>10} {'of roofline':>12} {'vs hf-static':>13}")
     for name, r in results.items():
         ratio = f"{r['output_tok_s'] / static:.1f}x" if static else "-"
-        print(f"{name:<28} {r['elapsed_s']:>8.2f} {r['output_tok_s']:>10,.0f} {r['fraction_of_roofline']:>12.1%} "
+        print(f"{name:<36} {r['elapsed_s']:>8.2f} {r['output_tok_s']:>10,.0f} {r['fraction_of_roofline']:>12.1%} "
               f"{ratio:>13}")
     for name, r in results.items():
         if "graph_steps" in r:
