@@ -93,13 +93,13 @@ class VarlenInputBuilder:
             cu_q[s + 1] = t
             seq_lens[s] = end
             max_query_len = max(max_query_len, n)
-            num_logits = item.num_logits
-            if num_logits == 1:
+            rows = item.num_logits
+            if rows == 1:
                 logits[r] = t - 1
                 r += 1
-            elif num_logits:
-                logits[r:r + num_logits] = np.arange(t - num_logits, t, dtype=np.int32)
-                r += num_logits
+            elif rows:
+                logits[r:r + rows] = np.arange(t - rows, t, dtype=np.int32)
+                r += rows
         decode_only = max_query_len == 1 and num_logits == num_seqs  # one token each, every one sampled
         return self._send(host, total, sizes, lengths, num_seqs, width, max_query_len, num_seqs if decode_only else 0)
 

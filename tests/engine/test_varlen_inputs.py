@@ -12,9 +12,10 @@ from engine.varlen_inputs import VarlenInputBuilder
 BS = 4
 
 
-def scheduled(kv, rid, tokens, computed, new):
+def scheduled(kv, rid, tokens, computed, new, pending=0):
     request = Request(rid, tokens[:], SamplingParams())
     request.num_computed_tokens = computed
+    request.num_pending_tokens = pending
     assert kv.allocate_slots(rid, 0, computed + new) is not None
     return ScheduledRequest(request, new)
 
@@ -46,3 +47,24 @@ def test_mixed_step_layout_and_alignment():
     assert meta.max_query_len == 5 and step.num_decode_only == 0
     decode = VarlenInputBuilder(BS, torch.device("cpu")).build(SchedulerOutput(scheduled=items[:1]), kv)
     assert decode.num_decode_only == 1  # a decode batch: eligible for the CUDA graphs
+
+
+def test_decode_batch_layout_with_a_pending_token():
+    """A decode batch (written array by array): each sequence's last token, or PENDING_TOKEN for a token its
+    step before sampled that is known only on the device (async scheduling)."""
+    from engine.scheduler import PENDING_TOKEN
+    kv = KVCacheManager(num_blocks=32, block_size=BS, enable_prefix_caching=False)
+    kv.allocate_slots("pad", 0, 3)
+    items = [scheduled(kv, "a", list(range(100, 107)), 6, 1),  # decodes token 6
+             scheduled(kv, "b", list(range(200, 208)), 7, 1),  # decodes token 7, the last of its block
+             scheduled(kv, "c", list(range(300, 305)), 5, 1, pending=1)]  # its token at position 5 is pending
+    step = VarlenInputBuilder(BS, torch.device("cpu")).build(SchedulerOutput(scheduled=items), kv)
+    meta = step.meta
+    assert step.input_ids.tolist() == [106, 207, PENDING_TOKEN]
+    assert step.positions.tolist() == [6, 7, 5]
+    assert meta.slot_mapping.tolist() == [kv.block_table(r)[p // BS] * BS + p % BS for r, p in
+                                          [("a", 6), ("b", 7), ("c", 5)]]
+    assert meta.cu_q.tolist() == [0, 1, 2, 3] and meta.seq_lens.tolist() == [7, 8, 6]
+    assert step.logits_indices.tolist() == [0, 1, 2] and meta.max_query_len == 1 and step.num_decode_only == 3
+    for row, rid in zip(meta.block_tables.tolist(), "abc", strict=True):
+        assert row[:2] == kv.block_table(rid)[:2]
