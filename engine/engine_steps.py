@@ -159,12 +159,12 @@ class EngineSteps:
 
     def _pending_inputs(self, out, continuing: set[str]) -> PendingInputs | None:
         """Where in the step's packed input ids the continuing requests' pending tokens go, and from which row
-        of the step before's draw."""
+        of the step before's draw (a continuing request is scheduled for its pending token alone)."""
         draw, row_of = self._last_draw
         positions, rows, t = [], [], 0
         for item in out.scheduled:
             rid = item.request.request_id
-            if rid in continuing and item.request.num_computed_tokens == item.request.num_tokens:
+            if rid in continuing:
                 positions.append(t)
                 rows.append(row_of[rid])
             t += item.num_new_tokens

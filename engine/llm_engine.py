@@ -85,7 +85,7 @@ class LLMEngine(EngineSteps, KVViews):
         self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
         self._launched: deque[tuple] = deque()
         """Launched steps not yet collected, oldest first: (logits, sample rows, owners, spec rows, spec owners,
-        masks, prompt rows, request ids)."""
+        masks, prompt rows, request ids, the Draw made at launch or None)."""
         self._in_flight: Counter[str] = Counter()
         """Requests in launched steps (how many): not scheduled again before collected, unless continuing."""
         pp = config.pipeline_parallel_size
@@ -99,9 +99,9 @@ class LLMEngine(EngineSteps, KVViews):
         """Step N+1 launched before step N's tokens are read (engine/engine_steps.py); with proposals or other
         ranks, `overlap` collects step N first (the proposer needs its tokens; other ranks get inputs on the host)."""
         self._last_draw = None
+        """Async scheduling: (the newest launched step's Draw, request id -> its row there), or None."""
         self.num_continued_tokens = 0
         """Async scheduling: tokens computed in a step launched before they were known (read on the device)."""
-        """Async scheduling: (the newest launched step's Draw, request id -> its row there), or None."""
         self.num_spec_draft_tokens = 0
         """Speculative decoding: tokens proposed and verified so far."""
         self.num_spec_accepted_tokens = 0

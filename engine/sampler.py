@@ -201,4 +201,3 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= ps[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)
-
