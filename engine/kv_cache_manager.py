@@ -27,6 +27,7 @@ released as above; we do not do that yet.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from engine.block_hash import NO_PARENT, hash_full_blocks
@@ -56,6 +57,11 @@ class KVCacheManager:
         self.num_window_released = 0
         """Blocks released because they fell behind the window (and those never taken for that reason)."""
         self.block_tables: dict[str, list[int]] = {}
+        self.table_stamps: dict[str, int] = {}
+        """Sequence id -> a number, new whenever its table is created or edited other than by appending (copy-on-write,
+        window release, truncation): a copy of a table (BlockTableMirror) holding the same stamp needs only what
+        was appended since."""
+        self._stamps = itertools.count(1)
         self._num_registered: dict[str, int] = {}
         self._hashes: dict[str, list[int]] = {}
         self._num_null: dict[str, int] = {}
@@ -154,7 +160,9 @@ class KVCacheManager:
             return None
         for block_id in adopted:
             self.pool.touch(block_id)
-        table = self.block_tables.setdefault(seq_id, table)
+        if seq_id not in self.block_tables:
+            self.block_tables[seq_id] = table
+            self._restamp(seq_id)
         table.extend([NULL_BLOCK] * skip)
         table.extend(adopted)
         if skip:
@@ -169,6 +177,7 @@ class KVCacheManager:
             dst = self.pool.allocate()
             self.pool.release(src)
             table[index] = dst
+            self._restamp(seq_id)
             copies.append((src, dst))
         table.extend(self.pool.allocate() for _ in range(num_new_blocks))
         return copies
@@ -181,6 +190,7 @@ class KVCacheManager:
         for block_id in table[self.num_released(parent_id):]:
             self.pool.touch(block_id)
         self.block_tables[child_id] = table
+        self._restamp(child_id)
         if parent_id in self._num_null:
             self._num_null[child_id] = self._num_null[parent_id]
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
@@ -216,6 +226,7 @@ class KVCacheManager:
             return 0
         released = table[done:end]
         table[done:end] = [NULL_BLOCK] * (end - done)
+        self._restamp(seq_id)
         self._num_null[seq_id] = end
         for block_id in reversed(released):
             self.pool.release(block_id)
@@ -231,6 +242,8 @@ class KVCacheManager:
         keep = self.blocks_needed(num_tokens)
         if self._num_registered.get(seq_id, 0) > keep or self.num_released(seq_id) > keep:
             raise RuntimeError(f"{seq_id}: truncating registered or released blocks")
+        if len(table) > keep:
+            self._restamp(seq_id)
         while len(table) > keep:
             self.pool.release(table.pop())
 
@@ -241,12 +254,18 @@ class KVCacheManager:
             self.pool.release(block_id)
         self._num_registered.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
+        self.table_stamps.pop(seq_id, None)
 
     def rename(self, seq_id: str, new_id: str) -> None:
         """Move a sequence's blocks under another id (an aborted request whose blocks a load still fills)."""
         for table in (self.block_tables, self._num_registered, self._hashes, self._num_null):
             if seq_id in table:
                 table[new_id] = table.pop(seq_id)
+        if self.table_stamps.pop(seq_id, None) is not None:
+            self._restamp(new_id)
+
+    def _restamp(self, seq_id: str) -> None:
+        self.table_stamps[seq_id] = next(self._stamps)
 
     def block_hashes(self, seq_id: str, token_ids: list[int], salt: str = "") -> list[int]:
         """Chained hashes of the full blocks of `token_ids` (remembered per sequence)."""

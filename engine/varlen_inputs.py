@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.block_table_mirror import BlockTableMirror
 from engine.kv_cache_manager import KVCacheManager
 from engine.scheduler import PENDING_TOKEN, SchedulerOutput
 
@@ -39,6 +40,7 @@ class VarlenInputBuilder:
         self._capacity = 0
         self._turn = 0
         self._grow(capacity)
+        self._tables = BlockTableMirror()
 
     def _grow(self, capacity: int) -> None:
         self._capacity = capacity
@@ -50,7 +52,7 @@ class VarlenInputBuilder:
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         num_tokens = sum(item.num_new_tokens for item in scheduled)
-        tables = [kv.block_table(item.request.request_id) for item in scheduled]
+        table_rows = self._tables.rows(kv, [item.request.request_id for item in scheduled])
         width = max(-(-(item.request.num_computed_tokens + item.num_new_tokens) // bs) for item in scheduled)
         num_logits = sum(item.num_logits for item in scheduled)
         lengths = (num_tokens, num_tokens, num_tokens, num_logits, num_seqs + 1, num_seqs, num_seqs * width)
@@ -65,9 +67,10 @@ class VarlenInputBuilder:
         flat = host.numpy()
         ids, pos, slots, logits, cu_q, seq_lens, block_tables = (
             part[:n] for part, n in zip(np.split(flat[:total], np.cumsum(sizes)[:-1]), lengths, strict=True))
-        block_tables = block_tables.reshape(num_seqs, width)
+        tables = self._tables.array[table_rows, :width]  # entries past a table's used length are stale
+        block_tables.reshape(num_seqs, width)[:] = tables
         if num_tokens == num_seqs == num_logits:  # a decode batch: one token each, every one sampled
-            self._fill_decode(scheduled, tables, ids, pos, slots, logits, cu_q, seq_lens, block_tables)
+            self._fill_decode(scheduled, tables, ids, pos, slots, logits, cu_q, seq_lens)
             return self._send(host, total, sizes, lengths, num_seqs, width, 1, num_seqs)
         t = r = 0
         cu_q[0] = 0
@@ -77,8 +80,6 @@ class VarlenInputBuilder:
             start = req.num_computed_tokens
             n = item.num_new_tokens
             end = start + n
-            used = -(-end // bs)
-            block_tables[s, :used] = table[:used]
             if n == 1:
                 ids[t] = req.all_token_ids[start] if start < len(req.all_token_ids) else PENDING_TOKEN
                 pos[t] = start
@@ -87,8 +88,7 @@ class VarlenInputBuilder:
                 ids[t:t + n] = item.input_token_ids()
                 p = np.arange(start, end, dtype=np.int32)
                 pos[t:t + n] = p
-                blocks = np.asarray(table[start // bs:used], dtype=np.int32)
-                slots[t:t + n] = blocks[p // bs - start // bs] * bs + p % bs
+                slots[t:t + n] = table[p // bs] * bs + p % bs
             t += n
             cu_q[s + 1] = t
             seq_lens[s] = end
@@ -103,22 +103,18 @@ class VarlenInputBuilder:
         decode_only = max_query_len == 1 and num_logits == num_seqs  # one token each, every one sampled
         return self._send(host, total, sizes, lengths, num_seqs, width, max_query_len, num_seqs if decode_only else 0)
 
-    def _fill_decode(self, scheduled, tables, ids, pos, slots, logits, cu_q, seq_lens, block_tables) -> None:
-        """`build`'s arrays for a decode batch, each written whole."""
+    def _fill_decode(self, scheduled, tables, ids, pos, slots, logits, cu_q, seq_lens) -> None:
+        """`build`'s arrays for a decode batch (but the block tables, written already), each written whole."""
         bs = self.block_size
         starts = [item.request.num_computed_tokens for item in scheduled]
         ids[:] = [tokens[s] if s < len(tokens) else PENDING_TOKEN
                   for tokens, s in ((item.request.all_token_ids, s) for item, s in zip(scheduled, starts, strict=True))]
         start = np.asarray(starts, dtype=np.int32)
         pos[:] = start
-        slots[:] = np.asarray([table[s // bs] for table, s in zip(tables, starts, strict=True)], dtype=np.int32) * bs \
-            + start % bs
+        slots[:] = tables[np.arange(len(starts)), start // bs] * bs + start % bs
         seq_lens[:] = start + 1
         cu_q[:] = np.arange(len(starts) + 1, dtype=np.int32)
         logits[:] = cu_q[:-1]
-        for s, (table, first) in enumerate(zip(tables, starts, strict=True)):
-            used = first // bs + 1
-            block_tables[s, :used] = table[:used]
 
     def _send(self, host, total, sizes, lengths, num_seqs, width, max_query_len, num_decode_only) -> VarlenStep:
         """Copy the filled host buffer to the device in one non-blocking copy; the step's views of it."""
