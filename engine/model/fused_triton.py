@@ -4,6 +4,7 @@ engine/model/fused.py): each one pass over memory with float32 math, rounded whe
   add_rms_norm_  residual += x (stored in the model's dtype); x = RMSNorm(residual) * weight   (in place)
   rms_norm       RMSNorm(x) * weight
   silu_and_mul   silu(gate) * up of [T, 2I] rows
+  gelu_tanh_and_mul  gelu_tanh(gate) * up of [T, 2I] rows (Gemma's MLP), the GELU rounded before the product
   rope_          RoPE (rotate-half) in place on the q and k heads of qkv rows; optionally writes each token's
                  rotated K and its V into its cache slot (no index_put per layer)
 
@@ -48,6 +49,20 @@ def _silu_and_mul_kernel(in_ptr, out_ptr, n, stride_in, stride_out, BLOCK: tl.co
 
 
 @triton.jit
+def _gelu_tanh_and_mul_kernel(in_ptr, out_ptr, n, stride_in, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(in_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(in_ptr + row * stride_in + n + cols, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (g + 0.044715 g^3)
+    inner = tl.minimum(inner, 20.0)  # tanh is 1 in float32 long before; exp(2 * inner) stays finite
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    gelu = (0.5 * gate * (1.0 + tanh)).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.gelu's output rounded
+    tl.store(out_ptr + row * stride_out + cols, (gelu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, blocks_ptr, offsets_ptr,
                  stride_t, stride_cos, num_q, num_kv, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                  HALF: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr):
@@ -84,8 +99,8 @@ def _rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, blocks_ptr, o
 
 
 class TritonFusedOps:
-    """`FusedOps` (engine/model/fused.py) on Triton: the same four ops, for CUDA tensors (CPU ones under the
-    interpreter)."""
+    """`FusedOps` (engine/model/fused.py) on Triton: the same four ops, and Gemma's GELU * up, for CUDA tensors
+    (CPU ones under the interpreter)."""
 
     def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> torch.Tensor:
@@ -94,19 +109,19 @@ class TritonFusedOps:
         return x
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm(x) * weight in float32, rounded once (F.rms_norm's rounding; with a float32 weight of (1 + w),
+        Gemma's RMSNorm)."""
         out = torch.empty_like(x)
         _norm(x, out, None, weight, eps)
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] rows of (gate, up) -> [T, I] silu(gate) * up."""
-        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
-        if rows:
-            block = min(1024, triton.next_power_of_2(n))
-            _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0),
-                                                                BLOCK=block)
-        return out
+        return _gated(_silu_and_mul_kernel, gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] rows of (gate, up) -> [T, I] F.gelu(gate, approximate="tanh") * up."""
+        return _gated(_gelu_tanh_and_mul_kernel, gate_up)
 
     def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor | None = None,
@@ -124,6 +139,15 @@ class TritonFusedOps:
             qkv, positions, cos, sin, k, v, blocks, offsets, qkv.stride(0), cos.stride(0), num_q_heads, num_kv_heads,
             *(k.stride()[:3] if write else (0, 0, 0)), *(v.stride()[:3] if write else (0, 0, 0)),
             HALF=head_dim // 2, WRITE=write, BLOCK=triton.next_power_of_2(head_dim // 2))
+
+
+def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out
 
 
 def _norm(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -19,8 +19,10 @@ As transformers 5 computes them (modeling_gemma2.py, modeling_gemma3.py), what d
                  logits `forward` returns, so the sampler and every caller see the capped values
 The fields come from engine/model/gemma_config.py. There is no fused CPU path: Llama's fused kernels
 (engine/model/fused.py) round RMSNorm the Llama way and fuse the norm into the residual add, which
-Gemma's post-norms (normed before the add) and (1 + weight) in float32 do not fit, so every device runs
-the unfused torch ops below (bf16 on CPU included).
+Gemma's post-norms (normed before the add) and (1 + weight) in float32 do not fit, so on CPU the unfused
+torch ops below run (bf16 included). On CUDA the Triton ops (engine/model/fused_triton.py) run the four
+norms and GELU * up, one kernel each: their RMSNorm is computed in float32 and rounded once, Gemma's rounding
+with the (1 + weight) kept in float32; q_norm/k_norm (strided head views) stay torch ops.
 """
 from __future__ import annotations
 
@@ -98,7 +100,9 @@ class Model(LlamaModel):
                  max_positions: int, tp: TPGroup | None = None, stage: PipelineStage | None = None) -> None:
         final_norm = 1.0 + final_norm.float() if final_norm is not None else None
         super().__init__(config, embed, layers, final_norm, lm_head, attention, max_positions, tp, stage)
-        self.fused = None  # see the module docstring
+        self.gemma_ops = self.fused if self.fused is not None and hasattr(self.fused, "gelu_tanh_and_mul") else None
+        """The Triton ops on CUDA (see the module docstring), else None: the torch ops."""
+        self.fused = None  # Llama's fused forward does not fit Gemma's norms
         fields = config.family_fields
         self.final_softcap: float | None = fields["final_logit_softcapping"]
         self.normalizer = torch.tensor(config.hidden_size ** 0.5).to(self.dtype)
@@ -128,9 +132,11 @@ class Model(LlamaModel):
         num_tokens = x.shape[0]
         rope = self.rotary.lookup(positions)
         local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.lookup(positions)
+        ops = self.gemma_ops
+        norm = gemma_rms_norm if ops is None else ops.rms_norm
         for j, w in enumerate(self.layers):
             i = self.first_layer + j
-            h = gemma_rms_norm(x, w.input_norm, eps)
+            h = norm(x, w.input_norm, eps)
             qk, v = w.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(num_tokens, -1, cfg.head_dim)
             if w.q_norm is not None:
@@ -142,13 +148,17 @@ class Model(LlamaModel):
             attn = self.attention.forward(q, k, v, kv_cache[:, j, 0], kv_cache[:, j, 1], meta, self.kv_scales[i],
                                           self.layer_attention[j])
             h = w.o_proj(attn.reshape(num_tokens, self.q_size))
-            x = x + gemma_rms_norm(h, w.post_attention_norm, eps)
-            gate, up = w.gate_up(gemma_rms_norm(x, w.pre_feedforward_norm, eps)).chunk(2, dim=-1)
-            h = w.down(F.gelu(gate, approximate="tanh") * up)
-            x = x + gemma_rms_norm(h, w.post_feedforward_norm, eps)
+            x = x + norm(h, w.post_attention_norm, eps)
+            gate_up = w.gate_up(norm(x, w.pre_feedforward_norm, eps))
+            if ops is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = w.down(F.gelu(gate, approximate="tanh") * up)
+            else:
+                h = w.down(ops.gelu_tanh_and_mul(gate_up))
+            x = x + norm(h, w.post_feedforward_norm, eps)
         if self.lm_head is None:
             return x
-        logits = self.lm_head(gemma_rms_norm(x[logits_indices], self.final_norm, eps))
+        logits = self.lm_head(norm(x[logits_indices], self.final_norm, eps))
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -1,7 +1,7 @@
 """The Triton fused elementwise ops (engine/model/fused_triton.py) against the unfused torch ops they replace,
-under TRITON_INTERPRET=1 on CPU (compiled on a GPU host): residual add + RMSNorm in place, RMSNorm, SiLU * up,
-and RoPE in place with and without writing K and V into their cache slots. float32 to 1e-5; bfloat16 to what
-one rounding of the output allows."""
+under TRITON_INTERPRET=1 on CPU (compiled on a GPU host): residual add + RMSNorm in place, RMSNorm (Llama's and
+Gemma's), SiLU * up, GELU(tanh) * up, and RoPE in place with and without writing K and V into their cache
+slots. float32 to 1e-5; bfloat16 to what one rounding of the output allows."""
 import os
 
 import pytest
@@ -45,6 +45,19 @@ def test_silu_and_mul_equals_the_unfused_ops(dtype):
     gate_up = rand(7, 2 * 1536, dtype=dtype)  # SmolLM2's intermediate size: two column blocks of 1024
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(OPS.silu_and_mul(gate_up), F.silu(gate) * up, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gemma_norm_and_gelu_and_mul_equal_the_unfused_ops(dtype):
+    """Gemma's RMSNorm (float32 throughout, (1 + w) a float32 weight, one rounding) and GELU(tanh) * up, the
+    GELU rounded before the product as F.gelu's output is."""
+    from engine.model.gemma import gemma_rms_norm
+    x, weight = rand(5, 576, dtype=dtype), 1.0 + rand(576, dtype=torch.float32, seed=2)
+    torch.testing.assert_close(OPS.rms_norm(x, weight, 1e-6), gemma_rms_norm(x, weight, 1e-6), **TOL[dtype])
+    gate_up = 3 * rand(7, 2 * 1536, dtype=dtype, seed=3)  # gates far out on both tails of the tanh
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(OPS.gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up, **TOL[dtype])
+    assert OPS.gelu_tanh_and_mul(gate_up[:0]).shape == (0, 1536)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

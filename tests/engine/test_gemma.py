@@ -123,11 +123,15 @@ def test_tiny_gemma3_two_pipeline_stages_equal_transformers(gemma_dirs, prompts,
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_tiny_gemma_through_the_triton_backend(gemma_dirs, prompts, expected, family):
-    """The Triton kernels' window and soft-cap (interpreted on CPU, so few prompts and tokens)."""
+    """The Triton kernels' window and soft-cap, with the Triton norms and GELU * up a CUDA engine runs Gemma's
+    layers with (interpreted on CPU, so few prompts and tokens)."""
     pytest.importorskip("triton", reason="the triton wheel is part of the test install")
+    from engine.model.fused_triton import TritonFusedOps
     config = EngineConfig(model=str(gemma_dirs[family]), dtype="float32", attention_backend="triton",
                           scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK))
-    outputs = LLMEngine(config).generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine = LLMEngine(config)
+    engine.runner.model.gemma_ops = TritonFusedOps()  # what load_fused_ops gives it on CUDA
+    outputs = engine.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert_equal([o.completions[0].token_ids for o in outputs], [e[:8] for e in expected[family][:3]])
 
 
