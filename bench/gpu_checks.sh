@@ -5,6 +5,10 @@
 #
 #   bash bench/gpu_checks.sh TOKDIR OUTDIR TEST_SECONDS "PYTEST ARGS" SIZE[:BENCH_SECONDS] ...
 #
+# With TUNE="ARGS;ARGS..." each ARGS first runs bench/tune_attention_tiles.py --save (e.g. TUNE="--kind prefill
+# --heads 32 --kv-heads 8;--kind decode --seqs 128 --context 512 --heads 32 --kv-heads 8" for the 1B shape), so
+# the benches launch attention with the tuned tiles.
+#
 # Engines size their KV cache by gpu_memory_utilization (0.9 of the device): give engine tests one pytest
 # worker (-n 1, or -n 2 for the kernel-only files); ten workers on one GPU ran it out of memory.
 set -u
@@ -30,6 +34,13 @@ if [ "$test_s" -gt 0 ]; then
     timeout -s INT -k 20 "$test_s" python3 -m pytest -q -p no:cacheprovider -rfE --timeout 150 $tests > "$out/cuda_tests.log" 2>&1
     echo "pytest rc=$?"; tail -45 "$out/cuda_tests.log"
 fi
+IFS=';' read -ra tunes <<< "${TUNE:-}"
+for i in "${!tunes[@]}"; do
+    # shellcheck disable=SC2086
+    timeout 300 python3 bench/tune_attention_tiles.py ${tunes[$i]} --save --output "$out/tune_$i.json" \
+        > "$out/tune_$i.log" 2>&1
+    echo "tune $i rc=$?"; tail -3 "$out/tune_$i.log"
+done
 for spec in "$@"; do
     size=${spec%%:*} secs=${spec#*:}
     [ "$secs" = "$spec" ] && secs=300

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.tile_table import Tiles, tiles_for
+
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -222,17 +224,6 @@ def _combine_splits_kernel(out_ptr, part_ml_ptr, part_acc_ptr, v_scale, head_dim
              mask=d < head_dim)
 
 
-def attention_launch_shape(num_tokens: int, num_seqs: int, group: int, max_query_len: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_Q, programs along the token axis) for a step.
-
-    Decode-only steps take 16 rows (the tensor-core minimum); steps with prefill
-    chunks take 64 so a program's K/V tile serves more queries."""
-    block_m = 16 if max_query_len <= 1 else 64
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_q = max(1, block_m // group)
-    return block_m, block_q, num_tokens // block_q + num_seqs
-
-
 SPLIT_KV_MAX = 16
 """Most key splits a decode step's attention takes (`decode_kv_splits`)."""
 
@@ -254,7 +245,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, cu_q: torch.Tensor, max_query_len: int, scale: float,
                     out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     window: int | None = None, sinks: torch.Tensor | None = None,
-                    softcap: float | None = None, kv_splits: int | None = None) -> torch.Tensor:
+                    softcap: float | None = None, kv_splits: int | None = None,
+                    tiles: Tiles | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] (sequences packed by cu_q [S+1]) over the paged cache
     (an fp8 one read times k_scale / v_scale); a query at position p sees the keys p - window < j <= p
     with a `window`, plus per-head `sinks` logits [Hq] (float32), scores soft-capped by `softcap`.
@@ -263,7 +255,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (their K/V already written). block_tables [S, W] int32. max_query_len only
     picks the launch shape; the kernel reads lengths from cu_q. kv_splits (decode-only steps; None:
     `decode_kv_splits`): each sequence's keys are cut into that many shares attended in parallel, their
-    partial softmaxes merged after (flash-decoding), for long contexts at small batch.
+    partial softmaxes merged after (flash-decoding), for long contexts at small batch. tiles (None: the
+    device's tuned ones or the defaults, engine/attention/tile_table.py): the launch's tiles.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -271,7 +264,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
-    block_m, block_q, programs = attention_launch_shape(num_tokens, num_seqs, group, max_query_len)
+    if tiles is None:
+        tiles = tiles_for(q.device, "decode" if max_query_len <= 1 else "prefill", q.dtype, head_dim, group)
+    if tiles.block_m < group:
+        raise ValueError(f"tiles.block_m {tiles.block_m} is smaller than a KV head's {group} query heads")
+    block_q = tiles.block_m // group  # a program: block_q query tokens x the group's heads
+    programs = num_tokens // block_q + num_seqs
     page = k_cache.shape[1]
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     splits = 1
@@ -289,12 +287,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, DIM_P=dim_p, PAGE=page,
-        TILE=32 if block_m == 16 else 64, BLOCK_Q=block_q, BLOCK_M=block_m,
+        GROUP=group, DIM_P=dim_p, PAGE=page, TILE=tiles.tile, BLOCK_Q=block_q, BLOCK_M=tiles.block_m,
         # Float32 products for float32 models, and on CPU: Triton's interpreter computes
         # bf16/fp16 dots wrongly (triton 3.9; 16-bit inputs are widened first there, exactly).
         F32=q.dtype == torch.float32 or q.device.type == "cpu", FP8=k_cache.dtype == torch.float8_e4m3fn,
-        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None, SPLITS=splits)
+        WINDOW=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None, SPLITS=splits,
+        **tiles.launch_options())
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_ml, part_acc, v_scale, head_dim, num_heads, out.stride(0), out.stride(1),

@@ -93,6 +93,27 @@ def test_paged_attention_matches_dense_reference(heads, kv_heads, block_size, ca
         start += n
 
 
+@pytest.mark.parametrize("tiles", [(16, 16, 2, 1), (32, 128, 8, 3), (128, 32, 4, 2)], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (10, 2)])
+def test_tuning_candidates_match_the_dense_reference(tiles, heads, kv_heads):
+    """Tiles other than the defaults (what bench/tune_attention_tiles.py tries and the tile table may hold):
+    smaller and larger query blocks and key tiles over a mixed step of decode tokens and chunks with context."""
+    from engine.attention.tile_table import Tiles
+    query_lens, context_lens = CASES[2]
+    step = make_step(query_lens, context_lens, heads, kv_heads, 16, torch.float32, seed=11)
+    write_kv(step["new_k"], step["new_v"], step["k_cache"], step["v_cache"], step["slots"])
+    scale = D ** -0.5
+    out = paged_attention(step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
+                          step["cu_q"], max(query_lens), scale, tiles=Tiles(*tiles))
+    start = 0
+    for table, c, n in zip(step["tables"], context_lens, query_lens, strict=True):
+        keys = step["k_cache"][table].reshape(-1, kv_heads, D)[:c + n]
+        values = step["v_cache"][table].reshape(-1, kv_heads, D)[:c + n]
+        ref = dense_reference(step["q"][start:start + n], keys, values, c, scale)
+        torch.testing.assert_close(out[start:start + n].double(), ref, atol=2e-4, rtol=2e-4)
+        start += n
+
+
 def test_write_kv_skips_negative_slots():
     step = make_step([3], [0], 4, 2, 16, torch.float32)
     before = step["k_cache"].clone()
