@@ -25,7 +25,7 @@ from tests.cluster.harness import WORKER_FLAGS, free_port, metric_value
 PLANNER_FLAGS = ["--planner", "--max-prefill", "2", "--max-decode", "2", "--slo-ttft-ms", "1500",
                  "--slo-itl-ms", "1000", "--interval-s", "2", "--window-s", "6", "--scale-up-cooldown-s", "4",
                  "--scale-down-cooldown-s", "20", "--scale-down-window-s", "8"]
-SCHEDULE = ((0.5, 6.0), (3.0, 20.0), (0.5, 14.0))  # the backlog phase keeps its length
+SCHEDULE = ((0.5, 4.0), (3.0, 12.0), (0.5, 8.0))  # 12 s at 3 req/s: a backlog in 4-5 s (one worker < 2 req/s)
 
 
 @pytest.mark.slow  # a long scenario: `make test-fast` leaves it out
