@@ -106,7 +106,8 @@ class AttentionBackend(ABC):
     varlen: bool = False
     """True when the backend reads the varlen form of the metadata."""
     accepts_written_kv: bool = False
-    """True when the backend honours `AttentionMetadata.kv_written` (reads slots as slot_blocks/slot_offsets)."""
+    """True when the backend honours `AttentionMetadata.kv_written` (the model wrote K/V into the slots the
+    metadata names: slot_blocks/slot_offsets, or a varlen backend's slot_mapping)."""
     supports_fp8_kv: bool = False
     """True when the backend writes and reads a float8_e4m3fn cache (with per-layer scales)."""
     supports_sinks: bool = True

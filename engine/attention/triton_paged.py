@@ -1,7 +1,7 @@
 """Paged attention through our Triton kernels (engine/attention/triton_kernels.py).
 
-One launch writes the step's K/V into the cache by slot mapping, one launch
-attends all of the step's tokens; both per layer. On a GPU the kernels are
+One launch writes the step's K/V into the cache by slot mapping (unless the model's fused RoPE wrote them:
+`kv_written`), one launch attends all of the step's tokens; both per layer. On a GPU the kernels are
 compiled; without one they run under Triton's interpreter (set here before
 triton is first imported), which is slow but exact — for tests; there it
 refuses an fp8 cache (see `supports_fp8_kv`). A layer's window, sinks and soft-cap
@@ -18,6 +18,7 @@ from engine.attention.backend import FULL_ATTENTION, AttentionBackend, Attention
 
 class TritonPagedAttention(AttentionBackend):
     varlen = True
+    accepts_written_kv = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -34,7 +35,8 @@ class TritonPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_scales=(1.0, 1.0),
                 layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
-        self._kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, *kv_scales)
+        if not meta.kv_written:
+            self._kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, *kv_scales)
         return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q,
                                              meta.max_query_len, self.scale, k_scale=kv_scales[0],
                                              v_scale=kv_scales[1], window=layer.window, sinks=_sinks(layer, q),

@@ -6,7 +6,8 @@ engine/model/fused.py): each one pass over memory with float32 math, rounded whe
   silu_and_mul   silu(gate) * up of [T, 2I] rows
   gelu_tanh_and_mul  gelu_tanh(gate) * up of [T, 2I] rows (Gemma's MLP), the GELU rounded before the product
   rope_          RoPE (rotate-half) in place on the q and k heads of qkv rows; optionally writes each token's
-                 rotated K and its V into its cache slot (no index_put per layer)
+                 rotated K and its V into its cache slot (no index_put per layer, no KV-write kernel), the slot
+                 given as (block, offset) or as the Triton backend's flat slot (-1: a CUDA graph's padding)
 
 Tested against the unfused ops under TRITON_INTERPRET=1 on CPU and compiled on an H100
 (tests/engine/test_fused_triton.py); `load_fused_ops` uses them on CUDA unless PDSERVE_FUSED_CUDA=0. On the
@@ -65,8 +66,9 @@ def _gelu_tanh_and_mul_kernel(in_ptr, out_ptr, n, stride_in, stride_out, BLOCK: 
 @triton.jit
 def _rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, blocks_ptr, offsets_ptr,
                  stride_t, stride_cos, num_q, num_kv, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                 HALF: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per (token, q or k head): x * cos + rotate_half(x) * sin, in place."""
+                 page, HALF: tl.constexpr, WRITE: tl.constexpr, FLAT: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (token, q or k head): x * cos + rotate_half(x) * sin, in place. With FLAT, blocks_ptr
+    holds flat slots (block * page + offset; negative: a padding token, not written)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -85,10 +87,17 @@ def _rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, blocks_ptr, o
     tl.store(head + i, o1, mask=m)
     tl.store(head + HALF + i, o2, mask=m)
     if WRITE:
-        if h >= num_q:  # a k head: it and the token's v head of the same index go into the cache slot
-            kh = h - num_q
+        if FLAT:
+            slot = tl.load(blocks_ptr + t).to(tl.int64)
+            block = slot // page
+            offset = slot % page
+            write = slot >= 0
+        else:
             block = tl.load(blocks_ptr + t)
             offset = tl.load(offsets_ptr + t)
+            write = block >= 0
+        if h >= num_q and write:  # a k head: it and the token's v head of the same index go into the cache slot
+            kh = h - num_q
             k_slot = k_ptr + block * stride_kb + offset * stride_ko + kh * stride_kh
             tl.store(k_slot + i, o1, mask=m)
             tl.store(k_slot + HALF + i, o2, mask=m)
@@ -123,22 +132,30 @@ class TritonFusedOps:
         """[T, 2I] rows of (gate, up) -> [T, I] F.gelu(gate, approximate="tanh") * up."""
         return _gated(_gelu_tanh_and_mul_kernel, gate_up)
 
+    writes_flat_slots = True
+    """`rope_` also takes the varlen backends' flat slot mapping (the Triton attention backend's)."""
+
     def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor | None = None,
               v_cache: torch.Tensor | None = None, slot_blocks: torch.Tensor | None = None,
-              slot_offsets: torch.Tensor | None = None) -> None:
+              slot_offsets: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> None:
         """Rotate the q and k heads of qkv [T, (Hq + 2 Hkv) * D] in place (cos, sin: [max_pos, D]); with caches
-        ([blocks, block_size, Hkv, D] views) and slots given, also write each token's rotated K and its V."""
+        ([blocks, block_size, Hkv, D] views) and slots given (block and offset per token, or `slot_mapping`:
+        block * block_size + offset, -1 for a padding token not written), also write each token's rotated K
+        and its V."""
         tokens, head_dim = qkv.shape[0], cos.shape[-1]
         if not tokens:
             return
         write = k_cache is not None
+        flat = slot_mapping is not None
         k, v = (k_cache, v_cache) if write else (qkv, qkv)
-        blocks, offsets = (slot_blocks, slot_offsets) if write else (positions, positions)
+        blocks, offsets = (slot_mapping, slot_mapping) if flat else \
+            (slot_blocks, slot_offsets) if write else (positions, positions)
         _rope_kernel[(tokens, num_q_heads + num_kv_heads)](
             qkv, positions, cos, sin, k, v, blocks, offsets, qkv.stride(0), cos.stride(0), num_q_heads, num_kv_heads,
             *(k.stride()[:3] if write else (0, 0, 0)), *(v.stride()[:3] if write else (0, 0, 0)),
-            HALF=head_dim // 2, WRITE=write, BLOCK=triton.next_power_of_2(head_dim // 2))
+            k.shape[1] if write else 1, HALF=head_dim // 2, WRITE=write, FLAT=flat,
+            BLOCK=triton.next_power_of_2(head_dim // 2))
 
 
 def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:

@@ -170,9 +170,12 @@ class LlamaModel:
         num_tokens = positions.shape[0]
         if positions.dtype != torch.long:
             positions = positions.long()
-        # The backend lets RoPE write K/V into the cache (no index_put per layer) when it reads slots that way;
-        # an fp8 cache is written by the backend, which quantizes.
-        write_kv = self.attention.accepts_written_kv and meta.slot_blocks is not None and kv_cache.dtype == self.dtype
+        # The backend lets RoPE write K/V into the cache (no index_put or KV-write kernel per layer) when the ops
+        # read its slots: (block, offset) pairs, or a varlen backend's flat slots (the Triton ops); an fp8 cache
+        # is written by the backend, which quantizes.
+        flat = meta.slot_mapping if getattr(ops, "writes_flat_slots", False) else None
+        write_kv = self.attention.accepts_written_kv and (meta.slot_blocks is not None or flat is not None) \
+            and kv_cache.dtype == self.dtype
         meta.kv_written = write_kv
         residual = self.embed_tokens(input_ids) if hidden is None else hidden
         h = ops.rms_norm(residual, self.layers[0].input_norm, eps)
@@ -182,7 +185,10 @@ class LlamaModel:
             qkv = w.qkv(h)
             self.norm_qk_(qkv[:, :k_end].view(num_tokens, -1, cfg.head_dim), w)
             k_cache, v_cache = kv_cache[:, j, 0], kv_cache[:, j, 1]
-            if write_kv:
+            if write_kv and meta.slot_blocks is None:
+                ops.rope_(qkv, positions, self.rotary.cos, self.rotary.sin, cfg.num_heads, cfg.num_kv_heads,
+                          k_cache, v_cache, slot_mapping=flat)
+            elif write_kv:
                 ops.rope_(qkv, positions, self.rotary.cos, self.rotary.sin, cfg.num_heads, cfg.num_kv_heads,
                           k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
             else:

@@ -61,8 +61,11 @@ def test_gemma_norm_and_gelu_and_mul_equal_the_unfused_ops(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("write_kv", [False, True], ids=["rope", "rope+kv-write"])
+@pytest.mark.parametrize("write_kv", [False, True, "flat"], ids=["rope", "rope+kv-write", "rope+kv-write-flat"])
 def test_rope_in_place_and_the_cache_write_equal_the_unfused_ops(dtype, write_kv):
+    """Slots as (block, offset) pairs (the torch backend's) or flat with -1 for a padding token (the Triton
+    backend's slot mapping, as a CUDA graph pads it): each real token's K and V land in its slot, nothing else
+    is written."""
     tokens, hq, hkv, d, block_size = 6, 4, 2, 64, 4
     rotary = RotaryEmbedding(d, 256, 10000.0, None, dtype=dtype, device=torch.device(DEVICE))
     positions = torch.tensor([0, 3, 17, 100, 101, 255], device=DEVICE)
@@ -73,28 +76,34 @@ def test_rope_in_place_and_the_cache_write_equal_the_unfused_ops(dtype, write_kv
     got = qkv.clone()
     kv_cache = torch.zeros((5, 1, 2, block_size, hkv, d), dtype=dtype, device=DEVICE)  # [blocks, layers, 2, ...]
     k_cache, v_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]  # strided views, as the model passes them
-    slots = torch.tensor([0, 5, 6, 13, 18, 19], device=DEVICE)
+    slots = torch.tensor([0, 5, 6, 13, 18, -1 if write_kv == "flat" else 19], device=DEVICE)  # -1: padding
     blocks, offsets = slots // block_size, slots % block_size
-    if write_kv:
+    if write_kv == "flat":
+        OPS.rope_(got, positions, rotary.cos, rotary.sin, hq, hkv, k_cache, v_cache, slot_mapping=slots)
+    elif write_kv:
         OPS.rope_(got, positions, rotary.cos, rotary.sin, hq, hkv, k_cache, v_cache, blocks, offsets)
     else:
         OPS.rope_(got, positions, rotary.cos, rotary.sin, hq, hkv)
     torch.testing.assert_close(got[:, :(hq + hkv) * d].view(tokens, hq + hkv, d), want_qk, **TOL[dtype])
     assert torch.equal(got[:, (hq + hkv) * d:], qkv[:, (hq + hkv) * d:])  # v untouched
     if write_kv:
-        torch.testing.assert_close(k_cache[blocks, offsets], want_qk[:, hq:], **TOL[dtype])
-        assert torch.equal(v_cache[blocks, offsets], qkv[:, (hq + hkv) * d:].view(tokens, hkv, d))
+        real = slots >= 0
+        blocks, offsets = blocks[real], offsets[real]
+        torch.testing.assert_close(k_cache[blocks, offsets], want_qk[real, hq:], **TOL[dtype])
+        assert torch.equal(v_cache[blocks, offsets], qkv[real, (hq + hkv) * d:].view(-1, hkv, d))
         others = torch.ones(5 * block_size, dtype=torch.bool, device=DEVICE)
-        others[slots] = False
+        others[slots[real]] = False
         flat = kv_cache[:, 0].transpose(0, 1).reshape(2, 5 * block_size, hkv, d)  # [k or v, slot, ...]
         assert not flat[:, others].any()  # no other slot written
     else:
         assert not kv_cache.any()
 
 
-def test_a_model_on_the_triton_ops_generates_what_the_unfused_model_does(tiny_qwen2_dir):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_model_on_the_triton_ops_generates_what_the_unfused_model_does(tiny_qwen2_dir, backend):
     """The decoder's fused forward with these kernels (RoPE writing K/V into the paged cache's strided views,
-    add + norm in place): greedy tokens equal the unfused ops' on a tiny Qwen2 (float32)."""
+    add + norm in place): greedy tokens equal the unfused ops' on a tiny Qwen2 (float32). With the Triton
+    attention backend RoPE writes K/V by its flat slot mapping and the backend's KV-write kernel is skipped."""
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -103,10 +112,24 @@ def test_a_model_on_the_triton_ops_generates_what_the_unfused_model_does(tiny_qw
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = []
     for ops in (None, OPS):
-        engine = LLMEngine(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32", cache=CacheConfig(num_blocks=64)))
+        engine = LLMEngine(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32", cache=CacheConfig(num_blocks=64),
+                                        attention_backend=backend))
         engine.runner.model.fused = ops
+        if backend == "triton" and ops is not None:  # the backend's own KV write must not run
+            kernels = engine.runner.model.attention._kernels
+            engine.runner.model.attention._kernels = WithoutKVWrite(kernels)
         try:
             tokens.append([o.completions[0].token_ids for o in engine.generate(prompts, params)])
         finally:
             engine.shutdown()
     assert tokens[0] == tokens[1]
+
+
+class WithoutKVWrite:
+    """The Triton attention kernels, but the KV write refused: RoPE must have written K/V."""
+
+    def __init__(self, kernels) -> None:
+        self.paged_attention = kernels.paged_attention
+
+    def write_kv(self, *args, **kwargs):
+        raise AssertionError("the backend wrote K/V that RoPE had written")
