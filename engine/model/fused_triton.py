@@ -39,28 +39,22 @@ def _rms_norm_kernel(x_ptr, out_ptr, res_ptr, w_ptr, n_cols, eps, stride_x, stri
 
 
 @triton.jit
-def _silu_and_mul_kernel(in_ptr, out_ptr, n, stride_in, stride_out, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(in_ptr, out_ptr, n, stride_in, stride_out, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """act(gate) * up per [gate | up] row: SiLU, or with GELU the tanh GELU rounded before the product (as
+    F.gelu's output is)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     gate = tl.load(in_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(in_ptr + row * stride_in + n + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gelu_tanh_and_mul_kernel(in_ptr, out_ptr, n, stride_in, stride_out, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
-    gate = tl.load(in_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(in_ptr + row * stride_in + n + cols, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (g + 0.044715 g^3)
-    inner = tl.minimum(inner, 20.0)  # tanh is 1 in float32 long before; exp(2 * inner) stays finite
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-    gelu = (0.5 * gate * (1.0 + tanh)).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.gelu's output rounded
-    tl.store(out_ptr + row * stride_out + cols, (gelu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    if GELU:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (g + 0.044715 g^3)
+        inner = tl.minimum(inner, 20.0)  # tanh is 1 in float32 long before; exp(2 * inner) stays finite
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        act = (0.5 * gate * (1.0 + tanh)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -126,11 +120,11 @@ class TritonFusedOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] rows of (gate, up) -> [T, I] silu(gate) * up."""
-        return _gated(_silu_and_mul_kernel, gate_up)
+        return _gated(gate_up, gelu=False)
 
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] rows of (gate, up) -> [T, I] F.gelu(gate, approximate="tanh") * up."""
-        return _gated(_gelu_tanh_and_mul_kernel, gate_up)
+        return _gated(gate_up, gelu=True)
 
     writes_flat_slots = True
     """`rope_` also takes the varlen backends' flat slot mapping (the Triton attention backend's)."""
@@ -158,12 +152,13 @@ class TritonFusedOps:
             BLOCK=triton.next_power_of_2(head_dim // 2))
 
 
-def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
+def _gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = min(1024, triton.next_power_of_2(n))
-        kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+        _act_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0),
+                                                           GELU=gelu, BLOCK=block)
     return out
 
 
