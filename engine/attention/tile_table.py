@@ -54,7 +54,7 @@ class Tiles:
 
 DEFAULT_TILES = {"decode": Tiles(16, 32), "prefill": Tiles(64, 64)}
 
-_loaded: dict[str, dict] = {}
+_loaded: dict[str, dict[str, Tiles]] = {}
 """Path -> its entries, read once per process."""
 
 
