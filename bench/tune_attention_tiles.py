@@ -34,7 +34,15 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.attention.tile_table import DEFAULT_TILES, Tiles, save_tiles, table_path, tile_key  # noqa: E402
+from engine.attention.tile_table import (  # noqa: E402
+    DEFAULT_TILES,
+    Tiles,
+    fit_group,
+    min_block_m,
+    save_tiles,
+    table_path,
+    tile_key,
+)
 from engine.attention.triton_kernels import paged_attention  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -42,12 +50,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def candidates(kind: str, group: int) -> list[Tiles]:
     """The grid searched: the default first."""
-    floor = 1 << max(0, group - 1).bit_length()
     if kind == "decode":
         grid = itertools.product((16, 32), (32, 64, 128), (2, 4, 8), (1, 2, 3))
     else:
         grid = itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3))
-    tiles = [DEFAULT_TILES[kind]] + [Tiles(m, t, w, s) for m, t, w, s in grid if m >= floor]
+    tiles = [fit_group(DEFAULT_TILES[kind], group)] + [Tiles(m, t, w, s) for m, t, w, s in grid
+                                                       if m >= min_block_m(group)]
     return list(dict.fromkeys(tiles))
 
 
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.kind} attention tiles on {device_name}, {args.dtype}, head_dim {args.head_dim}, "
           f"{args.heads}/{args.kv_heads} heads, {args.seqs} seqs x {step['max_query_len']} new after {args.context}")
     print(f"{'BLOCK_M':>7} {'TILE':>5} {'warps':>5} {'stages':>6} {'ms':>9}  vs default")
-    default_ms = timed[0]["ms"] if rows[0].get("ms") else None
+    default_ms = rows[0].get("ms")  # the default tiles' (None if they failed)
     for r in rows:
         t = r["tiles"]
         speed = f"{default_ms / r['ms']:.2f}x" if "ms" in r and default_ms else r.get("error", "")

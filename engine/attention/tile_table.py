@@ -74,11 +74,19 @@ def tiles_for(device: torch.device, kind: str, dtype: torch.dtype, head_dim: int
     if device.type == "cuda":
         tiles = _entries(table_path()).get(tile_key(torch.cuda.get_device_name(device), kind, dtype, head_dim,
                                                     group))
-    tiles = tiles or DEFAULT_TILES[kind]
-    group_rows = 1 << max(0, group - 1).bit_length()
-    if tiles.block_m < group_rows:
-        tiles = Tiles(group_rows, tiles.tile, tiles.num_warps, tiles.num_stages)
-    return tiles
+    return fit_group(tiles or DEFAULT_TILES[kind], group)
+
+
+def min_block_m(group: int) -> int:
+    """The fewest query rows a program may have: a whole KV group's query heads, to a power of two."""
+    return 1 << max(0, group - 1).bit_length()
+
+
+def fit_group(tiles: Tiles, group: int) -> Tiles:
+    """`tiles` with block_m raised to `min_block_m(group)` where it is below."""
+    if tiles.block_m >= min_block_m(group):
+        return tiles
+    return Tiles(min_block_m(group), tiles.tile, tiles.num_warps, tiles.num_stages)
 
 
 def _entries(path: Path) -> dict[str, Tiles]:
